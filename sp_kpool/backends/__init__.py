@@ -1,0 +1,43 @@
+"""Backends and their resolution.
+
+Each backend declares the arithmetic it implements (``precisions``) and answers
+``not_supported_reasons(problem)``. ``backend="auto"`` walks the backends by priority and
+takes the first that can run the problem in the requested arithmetic; it never picks one
+with different arithmetic. An explicit backend that cannot run raises with its reasons;
+when nothing fits, the error lists every backend's reasons.
+"""
+
+from __future__ import annotations
+
+from .base import Backend, Problem
+from .torch_backend import TorchBackend
+
+__all__ = ["Backend", "Problem", "BACKENDS", "resolve_backend", "backend_names"]
+
+#: Registered backends by name, in no particular order (priority decides ``auto``).
+BACKENDS: dict[str, Backend] = {b.name: b for b in (TorchBackend(),)}
+
+
+def backend_names() -> list[str]:
+    """Names accepted by ``backend=``: ``"auto"`` and every registered backend."""
+    return ["auto", *BACKENDS]
+
+
+def resolve_backend(name: str, problem: Problem) -> Backend:
+    """The backend that will run ``problem``; raises ``ValueError`` with reasons if none."""
+    if name == "auto":
+        reasons = {}
+        for b in sorted(BACKENDS.values(), key=lambda b: -b.priority):
+            why = b.not_supported_reasons(problem)
+            if not why:
+                return b
+            reasons[b.name] = why
+        detail = "\n  ".join(f"{n}: {'; '.join(r)}" for n, r in reasons.items())
+        raise ValueError(f"backend: no backend can run this problem:\n  {detail}")
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {backend_names()}, got {name!r}")
+    b = BACKENDS[name]
+    why = b.not_supported_reasons(problem)
+    if why:
+        raise ValueError(f"backend: {name!r} cannot run this problem: {'; '.join(why)}")
+    return b

@@ -1,0 +1,177 @@
+"""What a backend is, and the chunked driver that every scoring backend shares.
+
+A backend turns gathered keys and gates into pooled keys (``pool``) and scores a chunk of
+query rows against a contiguous range of pools (``score``). The driver owns everything that
+must be identical for every backend and every sharding: the pool table, the causal ranges,
+the chunk grid, deterministic Top-K, expansion, tail and layout.
+
+Bitwise equality across world sizes: query rows are scored in chunks of ``C`` rows on a
+grid aligned to *global* row ids, and every chunk is scored against the pool range of the
+whole global chunk, with the rows this rank does not own set to zero. ``C`` depends only on
+global quantities (heads, pools, real length, the logits budget). So a given row is always
+computed by the same kernel call shape at the same position, whichever rank owns it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..pooling import pool_table
+from ..selection import assemble, output_width, row_meta, topk_pools
+from ..sharding import ShardedSequence
+
+__all__ = ["Problem", "Backend", "run_chunked", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
+
+#: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
+MAX_CHUNK_ROWS = 512
+_ENV_BUDGET = "SP_KPOOL_MAX_LOGITS_BYTES"
+_DEFAULT_BUDGET = 256 * 2**20
+
+
+def default_max_logits_bytes() -> int:
+    """The logits budget: ``$SP_KPOOL_MAX_LOGITS_BYTES`` if set, else 256 MiB."""
+    raw = os.environ.get(_ENV_BUDGET)
+    if raw is None or raw == "":
+        return _DEFAULT_BUDGET
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{_ENV_BUDGET}: expected a positive integer number of bytes, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{_ENV_BUDGET}: expected a positive integer number of bytes, got {value}")
+    return value
+
+
+@dataclass
+class Problem:
+    """One call of the operator, after validation and the gather.
+
+    q: ``[S_local, H, D]`` local queries; head_weights: ``[S_local, H]`` raw gate output;
+    k, gates: ``[S, D]`` gathered over the group (``S`` = padded global length);
+    ape: ``[K, D]``; seq: the sharding; the rest are the options of ``kpool_topk``.
+    """
+
+    q: torch.Tensor
+    head_weights: torch.Tensor
+    k: torch.Tensor
+    gates: torch.Tensor
+    ape: torch.Tensor
+    seq: ShardedSequence
+    topk: int
+    kpool: int
+    tail: str
+    order: str
+    alignment: int
+    max_logits_bytes: int
+    precision: str = "bf16"
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+class Backend:
+    """Interface of a backend. Subclasses set ``name``, ``precisions`` and ``priority``."""
+
+    name: str = "?"
+    #: Arithmetic modes this backend implements exactly.
+    precisions: tuple[str, ...] = ()
+    #: Higher runs first under ``backend="auto"``.
+    priority: int = 0
+
+    def not_supported_reasons(self, problem: Problem) -> list[str]:
+        """Why this backend cannot run ``problem`` (empty list: it can)."""
+        reasons = []
+        if problem.precision not in self.precisions:
+            reasons.append(f"precision {problem.precision!r} not implemented (has {list(self.precisions)})")
+        return reasons
+
+    def pool(self, problem: Problem, pool_tok_start: torch.Tensor) -> Any:
+        """Pooled keys of the complete pools ``[P]`` (backend-specific representation)."""
+        raise NotImplementedError
+
+    def score_bytes_per_cell(self, problem: Problem) -> int:
+        """Bytes of scratch per (row, pool) cell that one scoring call allocates."""
+        return 4
+
+    def score(self, problem: Problem, pooled: Any, q: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Scores ``[C, hi - lo]`` FP32 of the chunk ``q [C, H, D]``, ``w [C, H]`` (raw gates)."""
+        raise NotImplementedError
+
+    def run(self, problem: Problem) -> torch.Tensor:
+        """Selected global token ids, ``[S_local, width]`` int32."""
+        return run_chunked(self, problem)
+
+
+def chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int) -> int:
+    """Rows per scoring chunk: fits the budget, from global quantities only."""
+    per_row = max(1, num_pools) * bytes_per_cell
+    rows = problem.max_logits_bytes // per_row
+    if rows < 1:
+        raise ValueError(
+            f"max_logits_bytes: expected at least {per_row} (one query row against {num_pools} pools "
+            f"at {bytes_per_cell} bytes per cell), got {problem.max_logits_bytes}"
+        )
+    return int(max(1, min(rows, MAX_CHUNK_ROWS, problem.seq.num_real_tokens)))
+
+
+def run_chunked(backend: Backend, problem: Problem) -> torch.Tensor:
+    """The shared driver: pool, then score / select / expand chunk by chunk."""
+    seq, kpool, device = problem.seq, problem.kpool, problem.device
+    real_cu = seq.real_cu_seq_lens
+    pool_tok_start, doc_pool_offset = pool_table(real_cu, kpool)
+    num_pools = pool_tok_start.numel()
+    width = output_width(problem.topk, kpool, problem.alignment)
+    out = torch.full((seq.shard_size, width), -1, dtype=torch.int32, device=device)
+    own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
+    if own_hi <= own_lo:
+        return out  # this shard holds only padding
+    pts_dev = pool_tok_start.to(device)
+    pooled = backend.pool(problem, pts_dev) if num_pools else None
+    k_sel = problem.topk // kpool
+    C = chunk_rows(problem, num_pools, backend.score_bytes_per_cell(problem))
+    num_real = seq.num_real_tokens
+    H, D = problem.heads, problem.head_dim
+
+    for g0 in range((own_lo // C) * C, own_hi, C):
+        g1 = min(g0 + C, num_real)
+        a, b = max(g0, own_lo), min(g1, own_hi)  # rows of this chunk owned here
+        ends = row_meta(torch.tensor([g0, g1 - 1]), real_cu, doc_pool_offset, kpool)
+        lo, hi = int(ends.pool_lo[0]), int(ends.pool_hi[1])
+        rows = torch.arange(a, b, device=device)
+        meta = row_meta(rows, real_cu, doc_pool_offset, kpool)
+        if hi > lo:
+            q = problem.q.new_zeros((C, H, D))
+            w = problem.head_weights.new_zeros((C, H))
+            q[a - g0 : b - g0] = problem.q[a - seq.shard_start : b - seq.shard_start]
+            w[a - g0 : b - g0] = problem.head_weights[a - seq.shard_start : b - seq.shard_start]
+            scores = backend.score(problem, pooled, q, w, lo, hi)[a - g0 : b - g0]
+            cols = torch.arange(lo, hi, device=device)
+            visible = (cols[None] >= meta.pool_lo[:, None]) & (cols[None] < meta.pool_hi[:, None])
+            pools, _ = topk_pools(scores, visible, k_sel, lo)
+        else:
+            pools = torch.full((b - a, 0), -1, dtype=torch.int64, device=device)
+        out[a - seq.shard_start : b - seq.shard_start] = assemble(
+            pools,
+            meta,
+            pts_dev,
+            topk=problem.topk,
+            kpool=kpool,
+            tail=problem.tail,
+            order=problem.order,
+            alignment=problem.alignment,
+        )
+    return out
+

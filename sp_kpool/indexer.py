@@ -1,0 +1,119 @@
+"""``KPoolIndexer``: the GLM-5.3 KPool lightning indexer as a frozen ``nn.Module``.
+
+Parameter names match the checkpoint (``...self_attn.indexer.*``) and the state dict of
+``transformers``' ``Glm5NextTextIndexer``, so ``load_state_dict(strict=True)`` works:
+
+==============================  =====================  ===================================
+``wq_b.weight``                 ``[H*D, q_lora_rank]``  index queries ``q = wq_b(q_resid)``
+``wk.weight``                   ``[D, hidden]``         index keys before the norm
+``k_norm.weight``, ``.bias``    ``[D]``                 LayerNorm on keys, eps ``1e-6``
+``weights_proj.weight``         ``[H, hidden]``         per-head gate
+``index_kpool_compress_gate``   ``[D, hidden]``         per-channel pool gate
+``index_kpool_compress_ape``    ``[K, D]``              per-slot, per-channel bias
+==============================  =====================  ===================================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .api import kpool_topk
+from .sharding import ShardedSequence
+
+__all__ = ["KPoolIndexer"]
+
+
+class KPoolIndexer(nn.Module):
+    """Frozen KPool indexer (forward only) that runs :func:`sp_kpool.kpool_topk`.
+
+    Args:
+        hidden_size, q_lora_rank, index_n_heads (``H``), index_head_dim (``D``),
+        index_topk (``T``), index_kpool (``K``): as in the model config.
+        backend, tail, order, alignment, max_logits_bytes: passed to ``kpool_topk``.
+        device, dtype: of the parameters.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        q_lora_rank: int,
+        index_n_heads: int,
+        index_head_dim: int,
+        index_topk: int,
+        index_kpool: int = 4,
+        backend: str = "torch",
+        tail: str = "fixed",
+        order: str = "ascending",
+        alignment: int = 1,
+        max_logits_bytes: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, v in (
+            ("hidden_size", hidden_size),
+            ("q_lora_rank", q_lora_rank),
+            ("index_n_heads", index_n_heads),
+            ("index_head_dim", index_head_dim),
+            ("index_topk", index_topk),
+            ("index_kpool", index_kpool),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if index_topk % index_kpool:
+            raise ValueError(f"index_topk: expected a multiple of index_kpool = {index_kpool}, got {index_topk}")
+        fk = {"device": device, "dtype": dtype}
+        self.hidden_size = hidden_size
+        self.n_heads = index_n_heads
+        self.head_dim = index_head_dim
+        self.index_topk = index_topk
+        self.index_kpool = index_kpool
+        self.options = dict(
+            backend=backend, tail=tail, order=order, alignment=alignment, max_logits_bytes=max_logits_bytes
+        )
+        self.wq_b = nn.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False, **fk)
+        self.wk = nn.Linear(hidden_size, index_head_dim, bias=False, **fk)
+        self.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6, **fk)
+        self.weights_proj = nn.Linear(hidden_size, index_n_heads, bias=False, **fk)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(index_kpool, index_head_dim, **fk))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(index_head_dim, hidden_size, **fk))
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def prepare(self, hidden: torch.Tensor, q_resid: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Projections of the local rows, as ``kpool_topk`` takes them.
+
+        Args:
+            hidden: ``[S_local, hidden_size]``; q_resid: ``[S_local, q_lora_rank]``.
+
+        Returns a dict with ``q [S_local, H, D]``, ``k [S_local, D]``, ``gates
+        [S_local, D]``, ``head_weights [S_local, H]`` and ``ape [K, D]``, in the
+        parameter dtype (``head_weights`` in the ``weights_proj`` dtype).
+        """
+        for name, x, width in (("hidden", hidden, self.hidden_size), ("q_resid", q_resid, self.wq_b.in_features)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != width:
+                got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name}: expected shape [S_local, {width}], got {got}")
+        if hidden.shape[0] != q_resid.shape[0]:
+            raise ValueError(
+                f"q_resid: expected {hidden.shape[0]} rows (as hidden), got {q_resid.shape[0]}"
+            )
+        q = self.wq_b(q_resid).view(q_resid.shape[0], self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden))
+        gates = F.linear(hidden, self.index_kpool_compress_gate)
+        w = self.weights_proj(hidden.to(self.weights_proj.weight.dtype))
+        return {"q": q, "k": k, "gates": gates, "head_weights": w, "ape": self.index_kpool_compress_ape}
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor, q_resid: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
+        """Selected global token ids ``[S_local, align(T + K - 1, alignment)]`` int32, ``-1`` unused.
+
+        ``hidden`` ``[S_local, hidden_size]`` and ``q_resid`` ``[S_local, q_lora_rank]`` are
+        this rank's rows of the packed sequence described by ``seq``.
+        """
+        return kpool_topk(
+            **self.prepare(hidden, q_resid), seq=seq, topk=self.index_topk, kpool=self.index_kpool, **self.options
+        )

@@ -1,0 +1,70 @@
+"""Pool layout (which tokens form which pool) and compression in the model arithmetic.
+
+Pools restart at every document start. Document ``d`` of length ``L`` owns ``L // K``
+*complete* pools; a partial last pool is never selectable, so it is never built. Pools are
+numbered globally in document order::
+
+    cu_seq_lens = [0, 9, 14], K = 4
+    tokens      0 1 2 3 | 4 5 6 7 | 8    9 10 11 12 | 13
+    pool id     0         1         -    2            -
+    pool_tok_start = [0, 4, 9]
+
+Only real documents contribute pools (the padding document of a ``ShardedSequence`` never
+does), so the pool table is the same for every world size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["pool_table", "compress_pools_bf16"]
+
+
+def pool_table(cu_seq_lens: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Complete pools of the documents in ``cu_seq_lens``.
+
+    Args:
+        cu_seq_lens: ``[num_docs + 1]``, int64, CPU, real documents only.
+        kpool: pool size ``K``.
+
+    Returns:
+        pool_tok_start: ``[P]``, int64, CPU: global token id of slot 0 of each pool.
+        doc_pool_offset: ``[num_docs + 1]``, int64, CPU: global id of each document's
+            first pool (a cumulative sum of ``len_d // K``).
+    """
+    lengths = cu_seq_lens[1:] - cu_seq_lens[:-1]
+    counts = lengths // kpool
+    doc_pool_offset = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    doc_pool_offset[1:] = torch.cumsum(counts, 0)
+    total = int(doc_pool_offset[-1])
+    doc_of_pool = torch.repeat_interleave(torch.arange(lengths.numel()), counts, output_size=total)
+    local = torch.arange(total, dtype=torch.int64) - doc_pool_offset[doc_of_pool]
+    pool_tok_start = cu_seq_lens[doc_of_pool] + local * kpool
+    return pool_tok_start, doc_pool_offset
+
+
+def compress_pools_bf16(
+    k: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, pool_tok_start: torch.Tensor
+) -> torch.Tensor:
+    """Pool keys in the model-definition arithmetic (SPEC 2, ``Glm5NextTextIndexer``).
+
+    ``pool_key[p, c] = sum_s softmax_s(g[tok(p, s), c] + ape[s, c]) * k[tok(p, s), c]``:
+    the softmax over the slot axis runs in FP32 per channel, the probabilities are cast to
+    ``k.dtype`` and the weighted sum is taken in ``k.dtype``.
+
+    Args:
+        k: ``[S, D]``, float (BF16 in the model, FP32 in tests): layer-normed keys of the
+            whole (gathered) sequence.
+        gates: ``[S, D]``, float: per-channel gate logits ``x @ index_kpool_compress_gate.T``.
+        ape: ``[K, D]``, float: per-slot, per-channel additive bias.
+        pool_tok_start: ``[P]``, int64, on ``k.device``: first token of each pool.
+
+    Returns:
+        ``[P, D]`` in ``k.dtype``.
+    """
+    kpool = ape.shape[0]
+    idx = pool_tok_start[:, None] + torch.arange(kpool, device=k.device)
+    grouped_k = k[idx]  # [P, K, D]
+    logits = gates[idx].float() + ape.float()[None]
+    probs = logits.softmax(dim=1).to(k.dtype)
+    return (probs * grouped_k).sum(dim=1)

@@ -1,0 +1,184 @@
+"""Causal ranges, deterministic Top-K, expansion, tail, global ids and column layouts.
+
+Causal rule (SPEC 4), for the query at document-local position ``j`` of a document whose
+first pool has global id ``pool_lo``::
+
+    visible pools   [pool_lo, pool_lo + (j + 1) // K)     (complete pools ending <= j)
+    tail tokens     [t - (j + 1) % K + 1, t]              (ascending, includes t if any)
+
+    K = 4, j = 6:   tokens  0 1 2 3 | 4 5 6
+                    pools   [  0  ]   tail = 4 5 6
+
+Everything here is index arithmetic on tensors; it runs on CPU and CUDA with no per-row
+host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "RowMeta",
+    "row_meta",
+    "output_width",
+    "score_keys",
+    "topk_pools",
+    "assemble",
+    "TAILS",
+    "ORDERS",
+]
+
+TAILS = ("fixed", "compact")
+ORDERS = ("ascending", "score")
+
+# Key of a masked-out (invisible) pool: below every real key, so it sorts last.
+_INVALID_KEY = torch.iinfo(torch.int64).min
+
+
+@dataclass(frozen=True)
+class RowMeta:
+    """Per-row causal metadata for ``R`` global rows (all tensors ``[R]``, int64).
+
+    rows: global token id ``t``; pool_lo: global id of the document's first pool;
+    n_visible: ``(j + 1) // K`` complete visible pools; tail_len: ``(j + 1) % K``;
+    padding: bool, rows of the padding document (their output is all ``-1``).
+    """
+
+    rows: torch.Tensor
+    pool_lo: torch.Tensor
+    n_visible: torch.Tensor
+    tail_len: torch.Tensor
+    padding: torch.Tensor
+
+    @property
+    def pool_hi(self) -> torch.Tensor:
+        """End (exclusive) of the visible pool range, ``pool_lo + n_visible``."""
+        return self.pool_lo + self.n_visible
+
+
+def row_meta(
+    rows: torch.Tensor, real_cu_seq_lens: torch.Tensor, doc_pool_offset: torch.Tensor, kpool: int
+) -> RowMeta:
+    """Causal metadata of the global ``rows`` (``[R]`` int64) of a packed sequence.
+
+    ``real_cu_seq_lens`` (``[num_docs + 1]``) and ``doc_pool_offset`` (from
+    :func:`sp_kpool.pooling.pool_table`) describe real documents only; rows at or past
+    ``real_cu_seq_lens[-1]`` are padding.
+    """
+    device = rows.device
+    cu = real_cu_seq_lens.to(device)
+    offs = doc_pool_offset.to(device)
+    num_real = cu[-1]
+    padding = rows >= num_real
+    safe = torch.where(padding, torch.zeros_like(rows), rows)
+    doc = torch.searchsorted(cu, safe, right=True) - 1
+    j = safe - cu[doc]
+    n_visible = torch.where(padding, torch.zeros_like(j), (j + 1) // kpool)
+    tail_len = torch.where(padding, torch.zeros_like(j), (j + 1) % kpool)
+    return RowMeta(rows=rows, pool_lo=offs[doc], n_visible=n_visible, tail_len=tail_len, padding=padding)
+
+
+def output_width(topk: int, kpool: int, alignment: int) -> int:
+    """``align(topk + kpool - 1, alignment)``: 2051 for the checkpoint with alignment 1."""
+    w = topk + kpool - 1
+    return -(-w // alignment) * alignment
+
+
+def score_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Totally ordered int64 keys: higher score first, ties toward the lower column.
+
+    ``scores``: ``[R, N]`` float32; ``visible``: ``[R, N]`` bool. The FP32 bit pattern is
+    mapped to a monotone int32 (``-0.0`` is first folded into ``+0.0`` so they tie), shifted
+    into the high word, and the low word holds ``0xFFFFFFFF - column``. Every key in a row is
+    distinct, so any Top-K over them (``torch.topk`` on CPU or CUDA) is deterministic.
+    Invisible entries get the minimum int64.
+    """
+    n = scores.shape[-1]
+    if n >= 2**32:
+        raise ValueError(f"scores: at most 2**32 columns supported, got {n}")
+    s = scores.float() + 0.0  # -0.0 + 0.0 == +0.0
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float value
+    col = torch.arange(n, device=scores.device, dtype=torch.int64)
+    keys = (ordered << 32) | (0xFFFFFFFF - col)
+    return keys.masked_fill_(~visible, _INVALID_KEY)
+
+
+def topk_pools(
+    scores: torch.Tensor, visible: torch.Tensor, k: int, col0: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select ``min(k, visible count)`` pools per row, best first, ties toward lower id.
+
+    Args:
+        scores: ``[R, N]`` float32 scores of pools ``col0 .. col0 + N - 1``.
+        visible: ``[R, N]`` bool.
+        k: number of pools to select (``topk // kpool``).
+        col0: global pool id of column 0.
+
+    Returns:
+        pools: ``[R, min(k, N)]`` int64 global pool ids in score order, ``-1`` where unused
+        (unused entries always come last).
+        valid: ``[R, min(k, N)]`` bool.
+    """
+    kk = min(k, scores.shape[-1])
+    keys = score_keys(scores, visible)
+    top = torch.topk(keys, kk, dim=-1, sorted=True).values
+    valid = top != _INVALID_KEY
+    pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
+    return pools.masked_fill_(~valid, -1), valid
+
+
+def assemble(
+    pools: torch.Tensor,
+    meta: RowMeta,
+    pool_tok_start: torch.Tensor,
+    *,
+    topk: int,
+    kpool: int,
+    tail: str,
+    order: str,
+    alignment: int,
+) -> torch.Tensor:
+    """Expand selected pools to token ids, add the tail, lay out the columns.
+
+    Args:
+        pools: ``[R, k_sel]`` int64 global pool ids in score order, ``-1`` unused (last).
+        meta: causal metadata of the ``R`` rows.
+        pool_tok_start: ``[P]`` int64, first token of each pool (same device as ``pools``).
+        topk, kpool, tail, order, alignment: see :func:`sp_kpool.kpool_topk`.
+
+    Returns:
+        ``[R, align(topk + kpool - 1, alignment)]`` int32 global token ids, ``-1`` padded.
+        ``fixed``: history in ``[0, topk)``, tail in ``[topk, topk + kpool - 1)``;
+        ``compact``: history, then the tail right after it, then ``-1``.
+    """
+    device = pools.device
+    rows = pools.shape[0]
+    width = output_width(topk, kpool, alignment)
+    valid = pools >= 0
+    if order == "ascending":
+        big = torch.iinfo(torch.int64).max
+        pools = torch.sort(pools.masked_fill(~valid, big), dim=-1).values
+        valid = pools != big
+        pools = pools.masked_fill(~valid, -1)
+    slots = torch.arange(kpool, device=device)
+    hist = pool_tok_start[pools.clamp(min=0)][..., None] + slots  # [R, k_sel, K]
+    hist = hist.masked_fill(~valid[..., None], -1).flatten(1)
+    out = torch.full((rows, width + 1), -1, dtype=torch.int64, device=device)
+    out[:, : hist.shape[1]] = hist
+    if kpool > 1:
+        toff = torch.arange(kpool - 1, device=device)
+        tail_ids = meta.rows[:, None] - meta.tail_len[:, None] + 1 + toff
+        tail_ok = toff[None] < meta.tail_len[:, None]
+        if tail == "fixed":
+            col = topk + toff[None].expand(rows, -1)
+        else:
+            n_hist = valid.sum(-1, keepdim=True) * kpool
+            col = n_hist + toff[None]
+        col = torch.where(tail_ok, col, torch.full_like(col, width))  # dump column
+        out.scatter_(1, col, torch.where(tail_ok, tail_ids, torch.full_like(tail_ids, -1)))
+    out = out[:, :width]
+    out[meta.padding] = -1
+    return out.to(torch.int32)

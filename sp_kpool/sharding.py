@@ -1,0 +1,173 @@
+"""``ShardedSequence``: which query rows of a packed sequence this rank owns.
+
+A frozen value object built by pure functions: no communication happens here.
+
+Picture (world size 3, documents of lengths 5 and 3, ``kpool`` 4)::
+
+    global tokens   0 1 2 3 4 | 5 6 7 | 8           cu_seq_lens = [0, 5, 8, 9]
+                    doc 0       doc 1   padding     (padding doc appended: 8 -> 9)
+    shards          [0 1 2] [3 4 5] [6 7 8]         shard_size = 3
+    pools (doc 0)   [0 1 2 3] 4                     pool 0 straddles the seam 2|3
+
+The global length is padded up to a multiple of ``world_size``; the padding is its own
+document at the end of ``cu_seq_lens`` so it can never mix with real documents. Rows of
+the padding document return all ``-1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["ShardedSequence"]
+
+
+def _as_cu_seq_lens(cu_seq_lens: Any) -> torch.Tensor:
+    """Validate ``cu_seq_lens`` and return it as a CPU int64 tensor ``[num_docs + 1]``."""
+    if isinstance(cu_seq_lens, torch.Tensor):
+        if cu_seq_lens.dtype.is_floating_point or cu_seq_lens.dtype.is_complex or cu_seq_lens.dtype == torch.bool:
+            raise TypeError(f"cu_seq_lens: expected an integer tensor, got dtype {cu_seq_lens.dtype}")
+        cu = cu_seq_lens.detach().to("cpu", torch.int64)
+    else:
+        try:
+            values = list(cu_seq_lens)
+        except TypeError:
+            raise TypeError(
+                f"cu_seq_lens: expected a 1-D integer tensor or a list of ints, got {type(cu_seq_lens).__name__}"
+            ) from None
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"cu_seq_lens: expected integers, got {v!r} of type {type(v).__name__}")
+        cu = torch.tensor(values, dtype=torch.int64)
+    if cu.dim() != 1:
+        raise ValueError(f"cu_seq_lens: expected a 1-D tensor [num_docs + 1], got shape {tuple(cu.shape)}")
+    if cu.numel() < 2:
+        raise ValueError(f"cu_seq_lens: expected at least 2 entries [0, len], got {cu.tolist()}")
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seq_lens: expected cu_seq_lens[0] == 0, got {int(cu[0])}")
+    diffs = cu[1:] - cu[:-1]
+    if bool((diffs < 0).any()):
+        i = int(torch.nonzero(diffs < 0)[0])
+        raise ValueError(
+            f"cu_seq_lens: expected non-decreasing values, got cu_seq_lens[{i}] = {int(cu[i])} > "
+            f"cu_seq_lens[{i + 1}] = {int(cu[i + 1])}"
+        )
+    if int(cu[-1]) < 1:
+        raise ValueError(f"cu_seq_lens: expected a total length >= 1, got {int(cu[-1])}")
+    return cu
+
+
+@dataclass(frozen=True, eq=False)
+class ShardedSequence:
+    """A packed sequence split into equal contiguous query shards, one per rank.
+
+    Attributes:
+        cu_seq_lens: ``[num_docs + 1]``, int64, CPU. Global document boundaries, padded:
+            when the real length is not a multiple of ``world_size`` the last entry is a
+            padding document of ``num_padding`` tokens.
+        shard_start: global id of this rank's first query row.
+        shard_size: number of query rows each rank owns (``S_local``), equal on all ranks.
+        rank, world_size: this rank and the number of ranks.
+        group: the ``torch.distributed`` process group (``None`` means the default group
+            when ``world_size > 1``, and no communication at all when ``world_size == 1``).
+        num_padding: padding tokens at the end (``0 <= num_padding < world_size``).
+    """
+
+    cu_seq_lens: torch.Tensor
+    shard_start: int
+    shard_size: int
+    rank: int
+    world_size: int
+    group: Any = None
+    num_padding: int = 0
+
+    # ----------------------------------------------------------------- builders
+    @classmethod
+    def split(
+        cls,
+        cu_seq_lens: torch.Tensor | Sequence[int],
+        *,
+        world_size: int,
+        rank: int,
+        group: Any = None,
+    ) -> "ShardedSequence":
+        """Split the packed sequence ``cu_seq_lens`` into ``world_size`` equal shards.
+
+        Args:
+            cu_seq_lens: ``[num_docs + 1]`` integer tensor or list, starting at 0,
+                non-decreasing (empty documents are allowed), total length >= 1.
+            world_size: number of ranks, >= 1.
+            rank: this rank, in ``[0, world_size)``.
+            group: process group used by collectives (not queried here).
+
+        Raises ``ValueError``/``TypeError`` naming the argument and the bad value.
+        """
+        for name, v in (("world_size", world_size), ("rank", rank)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected int, got {v!r} of type {type(v).__name__}")
+        if world_size < 1:
+            raise ValueError(f"world_size: expected >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+        cu = _as_cu_seq_lens(cu_seq_lens)
+        total = int(cu[-1])
+        padded = -(-total // world_size) * world_size
+        num_padding = padded - total
+        if num_padding:
+            cu = torch.cat([cu, cu.new_tensor([padded])])
+        shard_size = padded // world_size
+        return cls(
+            cu_seq_lens=cu,
+            shard_start=rank * shard_size,
+            shard_size=shard_size,
+            rank=rank,
+            world_size=world_size,
+            group=group,
+            num_padding=num_padding,
+        )
+
+    @classmethod
+    def from_group(cls, cu_seq_lens: torch.Tensor | Sequence[int], group: Any = None) -> "ShardedSequence":
+        """Like :meth:`split`, with rank and world size read from ``group``.
+
+        Without an initialized default process group this is world size 1, rank 0.
+        """
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            world_size = dist.get_world_size(group)
+            rank = dist.get_rank(group)
+        elif group is not None:
+            raise ValueError("group: a process group was given but torch.distributed is not initialized")
+        else:
+            world_size, rank = 1, 0
+        return cls.split(cu_seq_lens, world_size=world_size, rank=rank, group=group)
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def total_length(self) -> int:
+        """Padded global length ``S`` (``world_size * shard_size``)."""
+        return int(self.cu_seq_lens[-1])
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Global length without the padding document."""
+        return self.total_length - self.num_padding
+
+    @property
+    def real_cu_seq_lens(self) -> torch.Tensor:
+        """``cu_seq_lens`` without the padding document, int64 CPU."""
+        return self.cu_seq_lens[:-1] if self.num_padding else self.cu_seq_lens
+
+    @property
+    def shard_end(self) -> int:
+        return self.shard_start + self.shard_size
+
+    def __repr__(self) -> str:  # tensors make the default repr noisy
+        return (
+            f"ShardedSequence(num_docs={self.cu_seq_lens.numel() - 1}, total={self.total_length}, "
+            f"num_padding={self.num_padding}, rank={self.rank}/{self.world_size}, "
+            f"shard=[{self.shard_start}, {self.shard_end}))"
+        )

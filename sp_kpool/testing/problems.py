@@ -1,0 +1,106 @@
+"""Random problems with a fixed seed, identical on every rank (build global, then slice)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sharding import ShardedSequence
+
+__all__ = ["GlobalInputs", "make_inputs", "shard_inputs", "random_doc_lengths"]
+
+
+@dataclass
+class GlobalInputs:
+    """Global (unsharded, unpadded) operator inputs of ``S`` real tokens.
+
+    q ``[S, H, D]``, k ``[S, D]``, gates ``[S, D]``, head_weights ``[S, H]``, ape ``[K, D]``.
+    """
+
+    cu_seq_lens: list[int]
+    q: torch.Tensor
+    k: torch.Tensor
+    gates: torch.Tensor
+    head_weights: torch.Tensor
+    ape: torch.Tensor
+
+
+def random_doc_lengths(total: int, num_docs: int, seed: int) -> list[int]:
+    """``num_docs`` positive lengths summing to ``total`` (``num_docs <= total``)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(total - 1, generator=g)[: num_docs - 1] + 1
+    bounds = [0, *sorted(cuts.tolist()), total]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def make_inputs(
+    lengths: list[int], *, heads: int, head_dim: int, kpool: int, seed: int = 0, dtype=torch.float32
+) -> GlobalInputs:
+    """Random inputs for packed documents of the given lengths (CPU, ``dtype``)."""
+    S = sum(lengths)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return GlobalInputs(
+        cu_seq_lens=cu,
+        q=rnd(S, heads, head_dim),
+        k=rnd(S, head_dim),
+        gates=rnd(S, head_dim),
+        head_weights=rnd(S, heads),
+        ape=rnd(kpool, head_dim, scale=0.5),
+    )
+
+
+def shard_inputs(x: GlobalInputs, seq: ShardedSequence, device="cpu") -> dict[str, torch.Tensor]:
+    """This rank's rows (zero rows for padding) as ``kpool_topk`` keyword arguments."""
+    a, b = seq.shard_start, seq.shard_end
+
+    def rows(t):
+        out = t.new_zeros((seq.shard_size, *t.shape[1:]))
+        hi = min(b, t.shape[0])
+        if hi > a:
+            out[: hi - a] = t[a:hi]
+        return out.to(device)
+
+    return {
+        "q": rows(x.q),
+        "k": rows(x.k),
+        "gates": rows(x.gates),
+        "head_weights": rows(x.head_weights),
+        "ape": x.ape.to(device),
+    }
+
+
+def simulate_ranks(x: GlobalInputs, world_size: int, *, topk: int, kpool: int, backend: str = "torch", **options):
+    """Every rank's output of a ``world_size`` split, computed in this one process.
+
+    The all-gather is replaced by concatenating the ranks' padded shards (exactly what
+    the collective returns); everything after it is the real code path. Returns the
+    outputs by rank, each ``[S_local, W]`` int32.
+    """
+    import dataclasses
+
+    from ..backends import Problem, resolve_backend
+    from ..backends.base import default_max_logits_bytes
+
+    seqs = [ShardedSequence.split(x.cu_seq_lens, world_size=world_size, rank=r) for r in range(world_size)]
+    local = [shard_inputs(x, s) for s in seqs]
+    k_all = torch.cat([d["k"] for d in local])
+    gates_all = torch.cat([d["gates"] for d in local])
+    opts = dict(tail="fixed", order="ascending", alignment=1, max_logits_bytes=default_max_logits_bytes())
+    opts.update(options)
+    outs = []
+    for s, d in zip(seqs, local):
+        problem = Problem(
+            q=d["q"], head_weights=d["head_weights"], k=k_all, gates=gates_all, ape=d["ape"], seq=s,
+            topk=topk, kpool=kpool, **opts,
+        )  # fmt: skip
+        chosen = resolve_backend(backend, dataclasses.replace(problem, k=d["k"], gates=d["gates"]))
+        outs.append(chosen.run(problem))
+    return outs

@@ -1,0 +1,121 @@
+import pytest
+import torch
+
+from sp_kpool import ShardedSequence, kpool_topk
+from sp_kpool.pooling import compress_pools_bf16, pool_table
+from sp_kpool.selection import assemble, output_width, row_meta, score_keys, topk_pools
+from sp_kpool.testing.invariants import check_invariants
+from sp_kpool.testing.problems import make_inputs, shard_inputs
+
+
+def test_pool_table_restarts_at_documents_and_skips_partial_pools():
+    starts, offs = pool_table(torch.tensor([0, 9, 14, 14, 15, 23]), 4)
+    # doc0 len 9: pools at 0, 4; doc1 len 5: pool at 9; doc2 empty; doc3 len 1: none; doc4 len 8: 15, 19
+    assert starts.tolist() == [0, 4, 9, 15, 19]
+    assert offs.tolist() == [0, 2, 3, 3, 3, 5]
+
+
+def test_row_meta_causal_prefix_and_tail():
+    cu = torch.tensor([0, 9, 14])
+    _, offs = pool_table(cu, 4)
+    m = row_meta(torch.arange(16), cu, offs, 4)
+    # doc0: j=0..8; doc1: j=0..4 (pools start at id 2); rows 14, 15 are padding
+    assert m.n_visible.tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2, 0, 0, 0, 1, 1, 0, 0]
+    assert m.tail_len.tolist() == [1, 2, 3, 0, 1, 2, 3, 0, 1, 1, 2, 3, 0, 1, 0, 0]
+    assert m.pool_lo.tolist()[:14] == [0] * 9 + [2] * 5
+    assert m.padding.tolist() == [False] * 14 + [True] * 2
+
+
+@pytest.mark.parametrize("topk, kpool, alignment, want", [(2048, 4, 1, 2051), (2048, 4, 64, 2112), (2048, 4, 512, 2560), (8, 1, 1, 8), (16, 16, 8, 32)])
+def test_output_width(topk, kpool, alignment, want):
+    assert output_width(topk, kpool, alignment) == want
+
+
+def test_score_keys_total_order_ties_toward_lower_column():
+    s = torch.tensor([[0.0, -0.0, 1.0, 1.0, -2.0, float("inf"), -float("inf"), 3e-39, -3e-39]])
+    keys = score_keys(s, torch.ones_like(s, dtype=torch.bool))
+    order = torch.argsort(keys, descending=True)[0].tolist()
+    # reference: a stable descending sort (ties lowest index first), with -0.0 == +0.0
+    ref = torch.sort(s + 0.0, descending=True, stable=True).indices[0].tolist()
+    assert order == ref == [5, 2, 3, 7, 0, 1, 8, 4, 6]
+
+
+def test_topk_pools_matches_stable_sort_on_heavy_ties():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randint(-3, 4, (64, 50), generator=g).float() * 0.5  # many exact ties
+    lo = torch.randint(0, 10, (64,), generator=g)
+    hi = lo + torch.randint(0, 41, (64,), generator=g)
+    cols = torch.arange(50)
+    visible = (cols >= lo[:, None]) & (cols < hi[:, None])
+    pools, valid = topk_pools(scores, visible, 8, col0=100)
+    for r in range(64):
+        masked = torch.where(visible[r], scores[r], torch.tensor(-float("inf")))
+        order = torch.sort(masked, descending=True, stable=True).indices
+        n = min(8, int(visible[r].sum()))
+        assert pools[r, :n].tolist() == (order[:n] + 100).tolist()
+        assert valid[r].tolist() == [True] * n + [False] * (8 - n)
+        assert pools[r, n:].tolist() == [-1] * (8 - n)
+
+
+@pytest.mark.parametrize("tail", ["fixed", "compact"])
+def test_assemble_layouts(tail):
+    cu = torch.tensor([0, 11])
+    starts, offs = pool_table(cu, 4)
+    meta = row_meta(torch.tensor([10]), cu, offs, 4)  # j = 10: pools 0, 1 visible, tail 8 9 10
+    out = assemble(torch.tensor([[1, 0]]), meta, starts, topk=12, kpool=4, tail=tail, order="ascending", alignment=8)
+    assert out.shape == (1, 16) and out.dtype == torch.int32
+    if tail == "fixed":
+        want = [0, 1, 2, 3, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, -1]
+    else:
+        want = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, -1, -1, -1, -1, -1]
+    assert out[0].tolist() == want
+    out = assemble(torch.tensor([[1, 0]]), meta, starts, topk=12, kpool=4, tail=tail, order="score", alignment=8)
+    assert out[0, :8].tolist() == [4, 5, 6, 7, 0, 1, 2, 3]
+
+
+def test_pool_compression_matches_explicit_softmax():
+    g = torch.Generator().manual_seed(3)
+    k, gates = torch.randn(13, 8, generator=g), torch.randn(13, 8, generator=g) * 4
+    ape = torch.randn(4, 8, generator=g)
+    starts, _ = pool_table(torch.tensor([0, 5, 13]), 4)  # pools at 0, 5, 9
+    pk = compress_pools_bf16(k, gates, ape, starts)
+    for p, s0 in enumerate(starts.tolist()):
+        w = torch.softmax(gates[s0 : s0 + 4].double() + ape.double(), dim=0)
+        torch.testing.assert_close(pk[p].double(), (w * k[s0 : s0 + 4].double()).sum(0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kpool", [1, 2, 4, 16])
+@pytest.mark.parametrize("tail", ["fixed", "compact"])
+@pytest.mark.parametrize("order", ["ascending", "score"])
+def test_invariants_on_packed_documents(kpool, tail, order):
+    lengths = [1, kpool - 1 or 1, 3 * kpool + 1, 37, 2, 70]
+    topk = 4 * kpool
+    x = make_inputs(lengths, heads=8, head_dim=16, kpool=kpool, seed=kpool)
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
+    out = kpool_topk(**shard_inputs(x, seq), seq=seq, topk=topk, kpool=kpool, tail=tail, order=order, alignment=8)
+    check_invariants(out, seq, topk=topk, kpool=kpool, tail=tail, alignment=8)
+
+
+def test_order_ascending_and_score_select_the_same_sets():
+    x = make_inputs([50, 61], heads=8, head_dim=16, kpool=4, seed=5)
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
+    a = kpool_topk(**shard_inputs(x, seq), seq=seq, topk=16, order="ascending")
+    s = kpool_topk(**shard_inputs(x, seq), seq=seq, topk=16, order="score")
+    assert not torch.equal(a, s)  # rows with more than 4 visible pools reorder
+    assert [set(r.tolist()) for r in a] == [set(r.tolist()) for r in s]
+    hist = a[:, :16]
+    for row in hist.tolist():
+        starts = [v for v in row[::4] if v >= 0]
+        assert starts == sorted(starts)
+
+
+def test_invariant_checker_catches_a_broken_output():
+    x = make_inputs([30], heads=8, head_dim=16, kpool=4, seed=0)
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
+    out = kpool_topk(**shard_inputs(x, seq), seq=seq, topk=8)
+    check_invariants(out, seq, topk=8, kpool=4, tail="fixed")
+    for r, c, v in [(20, 0, 25), (20, 8, -1), (20, 1, 0), (3, 4, 0)]:
+        bad = out.clone()
+        bad[r, c] = v
+        with pytest.raises(AssertionError):
+            check_invariants(bad, seq, topk=8, kpool=4, tail="fixed")
