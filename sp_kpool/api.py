@@ -10,6 +10,7 @@ import torch
 from .backends import Problem, resolve_backend
 from .backends.base import default_max_logits_bytes
 from .comm import agree_or_raise, all_gather_rows
+from .precision import PRECISIONS, resolve_precision
 from .selection import ORDERS, TAILS
 from .sharding import ShardedSequence
 
@@ -36,7 +37,7 @@ def _check_tensor(name: str, x, shape: tuple, device: torch.device | None = None
         raise ValueError(f"{name}: expected device {device} (the device of q), got {x.device}")
 
 
-def _validate(q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, alignment, max_logits_bytes):
+def _validate(q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision):
     """Local checks, in argument order; raises on the first problem found."""
     if not isinstance(seq, ShardedSequence):
         raise TypeError(f"seq: expected a ShardedSequence, got {type(seq).__name__}")
@@ -50,6 +51,7 @@ def _validate(q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, ali
         raise ValueError(f"tail: expected one of {list(TAILS)}, got {tail!r}")
     if order not in ORDERS:
         raise ValueError(f"order: expected one of {list(ORDERS)}, got {order!r}")
+    resolve_precision(precision)
     _check_tensor("q", q, (None, None, None))
     S, H, D = q.shape
     if S != seq.shard_size:
@@ -65,7 +67,7 @@ def _validate(q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, ali
     _check_tensor("ape", ape, (kpool, D), dev)
 
 
-def _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes):
+def _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision):
     """Integers that must agree on every rank (checked by one small all-gather)."""
     cu = seq.cu_seq_lens.numpy().tobytes()
     return [
@@ -81,6 +83,7 @@ def _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes):
         ("order", ORDERS.index(order) if order in ORDERS else -1),
         ("alignment", alignment if isinstance(alignment, int) else -1),
         ("max_logits_bytes", max_logits_bytes if isinstance(max_logits_bytes, int) else -1),
+        ("precision", PRECISIONS.index(precision) if precision in PRECISIONS else -1),
     ]
 
 
@@ -100,6 +103,7 @@ def kpool_topk(
     order: str = "ascending",
     alignment: int = 1,
     max_logits_bytes: int | None = None,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """Select pools of keys for every local query row; return global token ids.
 
@@ -134,26 +138,32 @@ def kpool_topk(
         max_logits_bytes: scratch budget of one scoring chunk (default
             ``$SP_KPOOL_MAX_LOGITS_BYTES`` or 256 MiB). Every rank's rows are bitwise equal
             to world size 1 computed with the same budget.
+        precision: ``"bf16"`` (model definition), ``"bf16-serving"`` or ``"fp8"`` (serving
+            parity, SPEC 6); default ``$SP_KPOOL_PRECISION`` read once, else ``"bf16"``.
+            See :mod:`sp_kpool.precision`. The inputs are used as given: the serving modes
+            expect keys and head weights prepared in FP32 (``KPoolIndexer`` does this).
 
     Raises ``ValueError``/``TypeError`` naming the argument, the expected and the actual
     value; with several ranks every rank raises the same error, before any data moves.
     """
     if max_logits_bytes is None:
         max_logits_bytes = default_max_logits_bytes()
-    args = (q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, alignment, max_logits_bytes)
+    if precision is None:
+        precision = resolve_precision(None)
+    args = (q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision)
     error = problem = chosen = None
     try:
         _validate(*args)
         problem = Problem(
             q=q, head_weights=head_weights, k=k, gates=gates, ape=ape, seq=seq, topk=topk, kpool=kpool,
-            tail=tail, order=order, alignment=alignment, max_logits_bytes=max_logits_bytes,
+            tail=tail, order=order, alignment=alignment, max_logits_bytes=max_logits_bytes, precision=precision,
         )  # fmt: skip
         chosen = resolve_backend(backend, problem)
     except (TypeError, ValueError) as exc:
         if not isinstance(seq, ShardedSequence) or seq.world_size == 1:
             raise
         error = f"{type(exc).__name__}: {exc}"
-    agree_or_raise(seq, error, _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes))
+    agree_or_raise(seq, error, _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision))
 
     k_all = all_gather_rows(k, seq)
     gates_all = all_gather_rows(gates, seq)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .api import kpool_topk
+from .precision import SERVING_PRECISIONS, resolve_precision
 from .sharding import ShardedSequence
 
 __all__ = ["KPoolIndexer"]
@@ -31,6 +32,10 @@ class KPoolIndexer(nn.Module):
     Args:
         hidden_size, q_lora_rank, index_n_heads (``H``), index_head_dim (``D``),
         index_topk (``T``), index_kpool (``K``): as in the model config.
+        precision: ``"bf16"``, ``"bf16-serving"`` or ``"fp8"`` (default
+            ``$SP_KPOOL_PRECISION``, read once); it decides both the preparation (key norm
+            and head gate in FP32 with autocast off in the serving modes) and the selection
+            arithmetic, from one resolution per call.
         backend, tail, order, alignment, max_logits_bytes: passed to ``kpool_topk``.
         device, dtype: of the parameters.
     """
@@ -49,6 +54,7 @@ class KPoolIndexer(nn.Module):
         order: str = "ascending",
         alignment: int = 1,
         max_logits_bytes: int | None = None,
+        precision: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -65,6 +71,9 @@ class KPoolIndexer(nn.Module):
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if index_topk % index_kpool:
             raise ValueError(f"index_topk: expected a multiple of index_kpool = {index_kpool}, got {index_topk}")
+        if precision is not None:
+            resolve_precision(precision)
+        self.precision = precision
         fk = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.n_heads = index_n_heads
@@ -83,11 +92,16 @@ class KPoolIndexer(nn.Module):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def prepare(self, hidden: torch.Tensor, q_resid: torch.Tensor) -> dict[str, torch.Tensor]:
+    def prepare(
+        self, hidden: torch.Tensor, q_resid: torch.Tensor, precision: str | None = None
+    ) -> dict[str, torch.Tensor]:
         """Projections of the local rows, as ``kpool_topk`` takes them.
 
         Args:
             hidden: ``[S_local, hidden_size]``; q_resid: ``[S_local, q_lora_rank]``.
+            precision: as in the constructor (default: the module's). In the serving modes
+                the key LayerNorm and the head-gate projection run in FP32 with autocast
+                disabled and are cast back to the parameter dtype, as serving does.
 
         Returns a dict with ``q [S_local, H, D]``, ``k [S_local, D]``, ``gates
         [S_local, D]``, ``head_weights [S_local, H]`` and ``ape [K, D]``, in the
@@ -101,10 +115,19 @@ class KPoolIndexer(nn.Module):
             raise ValueError(
                 f"q_resid: expected {hidden.shape[0]} rows (as hidden), got {q_resid.shape[0]}"
             )
+        precision = resolve_precision(self.precision if precision is None else precision)
         q = self.wq_b(q_resid).view(q_resid.shape[0], self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(hidden))
         gates = F.linear(hidden, self.index_kpool_compress_gate)
-        w = self.weights_proj(hidden.to(self.weights_proj.weight.dtype))
+        if precision in SERVING_PRECISIONS:
+            with torch.autocast(hidden.device.type, enabled=False):
+                kx = self.wk(hidden)
+                n = self.k_norm
+                k = F.layer_norm(kx.float(), n.normalized_shape, n.weight.float(), n.bias.float(), n.eps).to(kx.dtype)
+                wdt = self.weights_proj.weight
+                w = F.linear(hidden.float(), wdt.float()).to(wdt.dtype)
+        else:
+            k = self.k_norm(self.wk(hidden))
+            w = self.weights_proj(hidden.to(self.weights_proj.weight.dtype))
         return {"q": q, "k": k, "gates": gates, "head_weights": w, "ape": self.index_kpool_compress_ape}
 
     @torch.no_grad()
@@ -114,6 +137,12 @@ class KPoolIndexer(nn.Module):
         ``hidden`` ``[S_local, hidden_size]`` and ``q_resid`` ``[S_local, q_lora_rank]`` are
         this rank's rows of the packed sequence described by ``seq``.
         """
+        precision = resolve_precision(self.precision)  # one resolution: preparation and selection
         return kpool_topk(
-            **self.prepare(hidden, q_resid), seq=seq, topk=self.index_topk, kpool=self.index_kpool, **self.options
+            **self.prepare(hidden, q_resid, precision),
+            seq=seq,
+            topk=self.index_topk,
+            kpool=self.index_kpool,
+            precision=precision,
+            **self.options,
         )

@@ -164,7 +164,8 @@ def assemble(
         valid = pools != big
         pools = pools.masked_fill(~valid, -1)
     slots = torch.arange(kpool, device=device)
-    hist = pool_tok_start[pools.clamp(min=0)][..., None] + slots  # [R, k_sel, K]
+    ext = torch.cat([pool_tok_start, pool_tok_start.new_zeros(1)])  # pool -1 reads the extra 0
+    hist = ext[pools][..., None] + slots  # [R, k_sel, K]
     hist = hist.masked_fill(~valid[..., None], -1).flatten(1)
     out = torch.full((rows, width + 1), -1, dtype=torch.int64, device=device)
     out[:, : hist.shape[1]] = hist

@@ -24,7 +24,7 @@ from ..pooling import pool_table
 from ..selection import assemble, output_width, row_meta, topk_pools
 from ..sharding import ShardedSequence
 
-__all__ = ["Problem", "Backend", "run_chunked", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
+__all__ = ["Problem", "Backend", "run_chunked", "select_rows", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
 MAX_CHUNK_ROWS = 512
@@ -127,51 +127,77 @@ def chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int) -> int:
     return int(max(1, min(rows, MAX_CHUNK_ROWS, problem.seq.num_real_tokens)))
 
 
-def run_chunked(backend: Backend, problem: Problem) -> torch.Tensor:
-    """The shared driver: pool, then score / select / expand chunk by chunk."""
+def select_rows(
+    backend: Backend,
+    problem: Problem,
+    pooled: Any,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    lo_row: int,
+    hi_row: int,
+    q: torch.Tensor,
+    w: torch.Tensor,
+) -> torch.Tensor:
+    """Selected pools of the global rows ``[lo_row, hi_row)`` (all real rows).
+
+    ``q [hi_row - lo_row, H, D]`` and ``w [hi_row - lo_row, H]`` are those rows' queries and
+    raw head weights, ``tables`` is ``pool_table(real_cu_seq_lens, kpool)``. Returns
+    ``[hi_row - lo_row, min(topk // kpool, ...)]`` int64 global pool ids in score order,
+    ``-1`` unused, padded to ``topk // kpool`` columns. Any rank computing a row gets the
+    same bits (global chunk grid, see the module docstring).
+    """
     seq, kpool, device = problem.seq, problem.kpool, problem.device
     real_cu = seq.real_cu_seq_lens
-    pool_tok_start, doc_pool_offset = pool_table(real_cu, kpool)
+    pool_tok_start, doc_pool_offset = tables
     num_pools = pool_tok_start.numel()
+    k_sel = problem.topk // kpool
+    out = torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int64, device=device)
+    if hi_row <= lo_row or num_pools == 0:
+        return out
+    C = chunk_rows(problem, num_pools, backend.score_bytes_per_cell(problem))
+    num_real = seq.num_real_tokens
+    H, D = problem.heads, problem.head_dim
+    for g0 in range((lo_row // C) * C, hi_row, C):
+        g1 = min(g0 + C, num_real)
+        a, b = max(g0, lo_row), min(g1, hi_row)  # rows of this chunk computed here
+        ends = row_meta(torch.tensor([g0, g1 - 1]), real_cu, doc_pool_offset, kpool)
+        lo, hi = int(ends.pool_lo[0]), int(ends.pool_hi[1])
+        if hi <= lo:
+            continue
+        meta = row_meta(torch.arange(a, b, device=device), real_cu, doc_pool_offset, kpool)
+        qc = q.new_zeros((C, H, D))
+        wc = w.new_zeros((C, H))
+        qc[a - g0 : b - g0] = q[a - lo_row : b - lo_row]
+        wc[a - g0 : b - g0] = w[a - lo_row : b - lo_row]
+        scores = backend.score(problem, pooled, qc, wc, lo, hi)[a - g0 : b - g0]
+        cols = torch.arange(lo, hi, device=device)
+        visible = (cols[None] >= meta.pool_lo[:, None]) & (cols[None] < meta.pool_hi[:, None])
+        pools, _ = topk_pools(scores, visible, k_sel, lo)
+        out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
+    return out
+
+
+def run_chunked(backend: Backend, problem: Problem) -> torch.Tensor:
+    """The shared driver: pool, select this shard's rows chunk by chunk, then assemble."""
+    seq, kpool, device = problem.seq, problem.kpool, problem.device
+    tables = pool_table(seq.real_cu_seq_lens, kpool)
     width = output_width(problem.topk, kpool, problem.alignment)
     out = torch.full((seq.shard_size, width), -1, dtype=torch.int32, device=device)
     own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
     if own_hi <= own_lo:
         return out  # this shard holds only padding
-    pts_dev = pool_tok_start.to(device)
-    pooled = backend.pool(problem, pts_dev) if num_pools else None
-    k_sel = problem.topk // kpool
-    C = chunk_rows(problem, num_pools, backend.score_bytes_per_cell(problem))
-    num_real = seq.num_real_tokens
-    H, D = problem.heads, problem.head_dim
-
-    for g0 in range((own_lo // C) * C, own_hi, C):
-        g1 = min(g0 + C, num_real)
-        a, b = max(g0, own_lo), min(g1, own_hi)  # rows of this chunk owned here
-        ends = row_meta(torch.tensor([g0, g1 - 1]), real_cu, doc_pool_offset, kpool)
-        lo, hi = int(ends.pool_lo[0]), int(ends.pool_hi[1])
-        rows = torch.arange(a, b, device=device)
-        meta = row_meta(rows, real_cu, doc_pool_offset, kpool)
-        if hi > lo:
-            q = problem.q.new_zeros((C, H, D))
-            w = problem.head_weights.new_zeros((C, H))
-            q[a - g0 : b - g0] = problem.q[a - seq.shard_start : b - seq.shard_start]
-            w[a - g0 : b - g0] = problem.head_weights[a - seq.shard_start : b - seq.shard_start]
-            scores = backend.score(problem, pooled, q, w, lo, hi)[a - g0 : b - g0]
-            cols = torch.arange(lo, hi, device=device)
-            visible = (cols[None] >= meta.pool_lo[:, None]) & (cols[None] < meta.pool_hi[:, None])
-            pools, _ = topk_pools(scores, visible, k_sel, lo)
-        else:
-            pools = torch.full((b - a, 0), -1, dtype=torch.int64, device=device)
-        out[a - seq.shard_start : b - seq.shard_start] = assemble(
-            pools,
-            meta,
-            pts_dev,
-            topk=problem.topk,
-            kpool=kpool,
-            tail=problem.tail,
-            order=problem.order,
-            alignment=problem.alignment,
-        )
+    pts_dev = tables[0].to(device)
+    pooled = backend.pool(problem, pts_dev) if pts_dev.numel() else None
+    n = own_hi - own_lo
+    pools = select_rows(backend, problem, pooled, tables, own_lo, own_hi, problem.q[:n], problem.head_weights[:n])
+    meta = row_meta(torch.arange(own_lo, own_hi, device=device), seq.real_cu_seq_lens, tables[1], kpool)
+    out[:n] = assemble(
+        pools,
+        meta,
+        pts_dev,
+        topk=problem.topk,
+        kpool=kpool,
+        tail=problem.tail,
+        order=problem.order,
+        alignment=problem.alignment,
+    )
     return out
-

@@ -1,15 +1,22 @@
-"""The torch reference backend: the model-definition arithmetic on CPU or CUDA.
+"""The torch backend: every arithmetic mode, exactly, on CPU or CUDA.
 
-Pools as ``Glm5NextTextIndexer.get_pooled_states`` (FP32 slot softmax, probabilities cast
-to the key dtype, weighted sum in the key dtype); scores as its ``forward``: queries and
-pooled keys in FP32, ``ReLU(D^-0.5 * q.k)`` per head, then the FP32 head-weighted sum with
-``H^-0.5``. Autocast is disabled inside, so an enclosing autocast region changes nothing.
+* ``bf16`` pools as ``Glm5NextTextIndexer.get_pooled_states`` (FP32 slot softmax,
+  probabilities cast to the key dtype, weighted sum in the key dtype);
+  ``bf16-serving`` pools with serving's decode-mode compression stored BF16
+  (:func:`sp_kpool.serving.prepare_pools_bf16_serving`). Both score as the model's
+  ``forward``: queries and pooled keys in FP32, ``ReLU(D^-0.5 * q.k)`` per head, then the
+  FP32 head-weighted sum with ``H^-0.5``.
+* ``fp8``: rotated E4M3 pools and queries (:mod:`sp_kpool.serving`) scored by the
+  dequantized reference of DeepGEMM's ``fp8_mqa_logits``.
+
+Autocast is disabled inside, so an enclosing autocast region changes nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import serving
 from ..pooling import compress_pools_bf16
 from .base import Backend, Problem
 
@@ -18,21 +25,37 @@ __all__ = ["TorchBackend"]
 
 class TorchBackend(Backend):
     name = "torch"
-    precisions = ("bf16",)
+    precisions = ("bf16", "bf16-serving", "fp8")
     priority = 0
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
-        return super().not_supported_reasons(problem)
+        reasons = super().not_supported_reasons(problem)
+        d = problem.head_dim
+        if problem.precision == "fp8" and (d < 1 or d & (d - 1)):
+            reasons.append(f"fp8 needs a power-of-two head dim for the Hadamard rotation, got D = {d}")
+        return reasons
 
-    def pool(self, problem: Problem, pool_tok_start: torch.Tensor) -> torch.Tensor:
+    def pool(self, problem: Problem, pool_tok_start: torch.Tensor):
+        args = (problem.k, problem.gates, problem.ape, pool_tok_start)
         with torch.autocast(problem.device.type, enabled=False):
-            return compress_pools_bf16(problem.k, problem.gates, problem.ape, pool_tok_start)
+            if problem.precision == "bf16":
+                return compress_pools_bf16(*args)
+            if problem.precision == "bf16-serving":
+                return serving.prepare_pools_bf16_serving(*args)
+            return serving.prepare_pools_fp8(*args)
 
     def score_bytes_per_cell(self, problem: Problem) -> int:
+        if problem.precision == "fp8":
+            # FP32 accumulator + one head's FP32 product + logits + int64 sort keys.
+            return 4 * 3 + 8
         # [C, H, N] FP32 per-head scores + [C, N] FP32 logits + [C, N] int64 sort keys.
         return 4 * (problem.heads + 1) + 8
 
-    def score(self, problem: Problem, pooled: torch.Tensor, q: torch.Tensor, w: torch.Tensor, lo: int, hi: int):
+    def score(self, problem: Problem, pooled, q: torch.Tensor, w: torch.Tensor, lo: int, hi: int):
+        if problem.precision == "fp8":
+            k8, k_scale = pooled
+            q8, wq = serving.prepare_queries_fp8(q, w)
+            return serving.mqa_logits_fp8_reference(q8, wq, k8[lo:hi], k_scale[lo:hi], chunk_rows=q.shape[0])
         C, H, D = q.shape
         with torch.autocast(q.device.type, enabled=False):
             keys = pooled[lo:hi].float()  # [N, D]

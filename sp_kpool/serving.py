@@ -1,0 +1,514 @@
+"""FP8 serving arithmetic of the rollout engine (SPEC section 6), in plain torch.
+
+This module reproduces, value for value, how serving (LMDeploy's GLM-5.3 KPool path)
+builds and scores index pools, so that the FP8 adapter can be checked bit for bit:
+
+    closed pool                                   query
+    -----------                                   -----
+    compress_pools_decode  (FP32, two passes)     q.float()
+    -> round to BF16, back to FP32                -> hadamard (FP32)
+    -> hadamard (FP32)                            -> round to BF16
+    -> round to BF16                              -> quantize_e4m3 per (row, head)
+    -> quantize_e4m3 per pool                     -> weights' = w * H^-0.5 * q_scale * D^-0.5
+                 \\                               /
+                  mqa_logits_fp8_reference  (DeepGEMM fp8_mqa_logits, dequantized)
+
+``prepare_pools_bf16_serving`` and ``scores_bf16_serving`` are the BF16 arm on the same
+decode-mode pools (no rotation), scored per SPEC section 3 in FP32.
+
+Every function computes in FP32 whatever the ambient autocast state (autocast is disabled
+inside), works on CPU and CUDA, and has no distributed code. Matrix products additionally
+force IEEE FP32 (``torch.set_float32_matmul_precision("highest")``) for their duration:
+TF32 or BF16-pass matmuls would silently break the reference. That setting is
+process-global; it is restored on exit, but do not rely on it from another thread while
+one of these functions runs.
+
+Constants ``H^-0.5`` and ``D^-0.5`` are Python's ``n ** -0.5`` rounded once to FP32 and
+applied as an FP32 multiplication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Iterator
+
+import torch
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "SCALE_ABSMAX_FLOOR",
+    "hadamard",
+    "ue8m0_scale",
+    "quantize_e4m3",
+    "compress_pools_decode",
+    "prepare_pools_bf16_serving",
+    "prepare_pools_fp8",
+    "prepare_queries_fp8",
+    "mqa_logits_fp8_reference",
+    "scores_bf16_serving",
+]
+
+#: Largest finite magnitude of ``float8_e4m3fn``.
+FP8_E4M3_MAX = 448.0
+#: Lower bound applied to a vector's absmax before deriving its scale (SPEC 6.4).
+SCALE_ABSMAX_FLOOR = 1e-4
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# Dtypes whose conversion to FP32 is exact.
+_EXACT_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+_F32_EXP_MASK = 0x7F800000
+_F32_MANT_MASK = 0x007FFFFF
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _fp32_const(value: float) -> float:
+    """``value`` rounded to the nearest FP32, returned as a Python float (exact in FP32)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def _inv_sqrt_fp32(n: int) -> float:
+    return _fp32_const(float(n) ** -0.5)
+
+
+@contextlib.contextmanager
+def _fp32_region(device: torch.device) -> Iterator[None]:
+    """Autocast off for ``device`` and IEEE FP32 matmuls for the duration."""
+    previous = torch.get_float32_matmul_precision()
+    if previous != "highest":
+        torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.autocast(device_type=device.type, enabled=False):
+            yield
+    finally:
+        if previous != "highest":
+            torch.set_float32_matmul_precision(previous)
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_float(
+    name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = _FLOAT_DTYPES
+) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name}: expected dtype in ({names}), got {t.dtype}")
+
+
+def _check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+
+
+def _check_ndim(name: str, t: torch.Tensor, ndim: int, dims: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims {dims}, got shape {tuple(t.shape)}")
+
+
+def _check_dim(name: str, t: torch.Tensor, axis: int, expected: int, what: str) -> None:
+    if t.shape[axis] != expected:
+        raise ValueError(
+            f"{name}: expected size {expected} ({what}) at dim {axis}, got shape {tuple(t.shape)}"
+        )
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def _check_chunk_rows(chunk_rows: int) -> None:
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows: expected a positive int, got {chunk_rows!r}")
+
+
+def _check_power_of_two(name: str, d: int) -> None:
+    if d < 1 or (d & (d - 1)) != 0:
+        raise ValueError(f"{name}: expected the last dim to be a power of two, got {d}")
+
+
+# --------------------------------------------------------------------- primitives
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Normalized Walsh–Hadamard transform over the last dim, in FP32 (SPEC 6.3).
+
+    Args:
+        x: ``[..., D]``, any float dtype; ``D`` must be a power of two. It is converted with
+            ``x.float()`` first (exact for BF16/FP16, rounding for FP64).
+
+    Returns:
+        ``[..., D]``, float32: ``H_D @ x * D^-0.5`` with ``H_D`` Sylvester's (natural
+        order) Hadamard matrix, ``H_2 = [[1, 1], [1, -1]]``.
+
+    Arithmetic (fixed, hence bitwise reproducible): butterfly stages ``h = 1, 2, 4, ...,
+    D/2``; in each, every pair ``(a, b) = (x[j], x[j + h])`` with ``j mod 2h < h`` becomes
+    ``(a + b, a - b)`` in FP32. Then one FP32 multiplication by ``D^-0.5`` rounded to FP32.
+    The result is not rounded to BF16: serving rounds after rotating, and that rounding
+    (``.to(torch.bfloat16)``) is the caller's job.
+
+    Raises:
+        ValueError: ``D`` is not a power of two (the message names it).
+    """
+    x = _check_tensor("x", x)
+    _check_float("x", x)
+    if x.dim() < 1:
+        raise ValueError(f"x: expected at least 1 dim [..., D], got shape {tuple(x.shape)}")
+    d = x.shape[-1]
+    _check_power_of_two("x", d)
+    lead = x.shape[:-1]
+    with _fp32_region(x.device):
+        y = x.float().contiguous()
+        h = 1
+        while h < d:
+            pairs = y.view(*lead, d // (2 * h), 2, h)
+            a = pairs[..., 0, :]
+            b = pairs[..., 1, :]
+            y = torch.stack((a + b, a - b), dim=-2).view(*lead, d)
+            h *= 2
+        return y * _inv_sqrt_fp32(d)
+
+
+def ue8m0_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """Per-vector FP8 scale, rounded up to a power of two (UE8M0; SPEC 6.4).
+
+    Args:
+        absmax: ``[...]``, float32 / bfloat16 / float16 (converted exactly to FP32); the
+            absolute maximum of each vector.
+
+    Returns:
+        ``[...]``, float32: ``max(absmax, 1e-4) / 448`` (FP32 ``max`` against FP32(1e-4),
+        FP32 correctly rounded division), then rounded **up** to the next power of two;
+        an exact power of two stays. The rounding is done on the bits (add the mantissa
+        mask, clear the mantissa), so no ``log2`` error can creep in. The floor gives a
+        smallest scale of ``2^-22`` (FP32(1e-4) / 448 ~ 2.23e-7). ``+inf`` maps to
+        ``+inf`` and NaN to NaN.
+    """
+    absmax = _check_tensor("absmax", absmax)
+    _check_float("absmax", absmax, _EXACT_TO_FP32)
+    with _fp32_region(absmax.device):
+        s = torch.clamp_min(absmax.float(), _fp32_const(SCALE_ABSMAX_FLOOR)) / FP8_E4M3_MAX
+        # s is positive and normal (>= 2^-23) or +inf; ceil to a power of two on the bits.
+        bits = s.contiguous().view(torch.int32)
+        up = torch.bitwise_and(bits + _F32_MANT_MASK, _F32_EXP_MASK).view(torch.float32)
+        return torch.where(torch.isnan(s), s, up)
+
+
+def quantize_e4m3(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize to ``float8_e4m3fn`` with one UE8M0 scale per vector along ``dim`` (SPEC 6.4).
+
+    Args:
+        x: ``[...]``, float32 (bfloat16 / float16 accepted, converted exactly). Serving
+            quantizes BF16-rounded values: pass them either as BF16 or as FP32 holding BF16
+            values (``t.to(torch.bfloat16).float()``); the result is the same.
+        dim: the axis of the vectors.
+
+    Returns:
+        values: same shape as ``x``, float8_e4m3fn:
+            ``clamp(x / scale, -448, 448).to(float8_e4m3fn)`` (FP32 division, exact since
+            the scale is a power of two; round to nearest even on conversion).
+        scales: ``x.shape`` without ``dim``, float32: ``ue8m0_scale(amax(|x|, dim))``.
+    """
+    x = _check_tensor("x", x)
+    _check_float("x", x, _EXACT_TO_FP32)
+    if x.dim() < 1:
+        raise ValueError(f"x: expected at least 1 dim, got shape {tuple(x.shape)}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"dim: expected in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim}"
+        )
+    if x.shape[dim] == 0:
+        raise ValueError(
+            f"x: expected a non-empty dim {dim} to quantize along, got shape {tuple(x.shape)}"
+        )
+    with _fp32_region(x.device):
+        xf = x.float()
+        scales = ue8m0_scale(xf.abs().amax(dim=dim))
+        q = torch.clamp(xf / scales.unsqueeze(dim), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return q.to(torch.float8_e4m3fn), scales
+
+
+# ------------------------------------------------------------------ pool compression
+
+
+def compress_pools_decode(
+    k: torch.Tensor,
+    gates: torch.Tensor,
+    ape: torch.Tensor,
+    pool_tok_start: torch.Tensor,
+) -> torch.Tensor:
+    """Pool keys in serving's "decode" mode, FP32 (SPEC 2 and 6.1).
+
+    Args:
+        k: ``[S, D]``, any float dtype; the normalized index keys.
+        gates: ``[S, D]``, any float dtype; the per-token, per-channel pool gate ``g``.
+        ape: ``[K, D]``, any float dtype; the per-slot, per-channel bias. ``K`` = pool size.
+        pool_tok_start: ``[P]``, int64; token id (row of ``k``) of slot 0 of each
+            **complete** pool: pool ``p`` covers rows ``pool_tok_start[p] + 0 .. K-1``.
+            Partial pools are never compressed here. Checked to lie in ``[0, S - K]``
+            (one host sync).
+
+    Returns:
+        ``[P, D]``, float32: ``num / den`` per pool and channel, where with
+        ``s_j = gates[t_j].float() + ape[j].float()`` (``t_j`` the token of slot ``j``):
+
+        - pass 1: ``m = max_j s_j`` (``torch.maximum`` over slots ``0..K-1``);
+        - pass 2, slots in order ``j = 0..K-1``, FP32 accumulators starting at zero:
+          ``e = exp(s_j - m)``, ``den = den + e``, ``num = num + (k[t_j].float() * e)``
+          (the product is rounded before the add: no FMA).
+
+        The order is explicit (a Python loop over slots), so results do not depend on
+        reduction heuristics; ``exp`` is the backend's FP32 ``torch.exp`` (CPU and CUDA
+        ``exp`` may differ in the last bit). Serving's "extend" mode (online softmax) is a
+        different order and is not what this computes.
+    """
+    k = _check_tensor("k", k)
+    gates = _check_tensor("gates", gates)
+    ape = _check_tensor("ape", ape)
+    pool_tok_start = _check_tensor("pool_tok_start", pool_tok_start)
+    _check_float("k", k)
+    _check_float("gates", gates)
+    _check_float("ape", ape)
+    _check_dtype("pool_tok_start", pool_tok_start, torch.int64)
+    _check_ndim("k", k, 2, "[S, D]")
+    _check_ndim("gates", gates, 2, "[S, D]")
+    _check_ndim("ape", ape, 2, "[K, D]")
+    _check_ndim("pool_tok_start", pool_tok_start, 1, "[P]")
+    s_tok, d = k.shape
+    pool = ape.shape[0]
+    if gates.shape != k.shape:
+        raise ValueError(
+            f"gates: expected shape {tuple(k.shape)} (same as k [S, D]), got {tuple(gates.shape)}"
+        )
+    _check_dim("ape", ape, 1, d, "D")
+    if pool < 1:
+        raise ValueError(f"ape: expected K >= 1 rows [K, D], got shape {tuple(ape.shape)}")
+    for name, t in (("gates", gates), ("ape", ape), ("pool_tok_start", pool_tok_start)):
+        _check_device(name, t, k.device)
+    n_pools = pool_tok_start.shape[0]
+    if n_pools > 0:
+        lo, hi = torch.stack((pool_tok_start.min(), pool_tok_start.max())).tolist()
+        if lo < 0 or hi > s_tok - pool:
+            raise ValueError(
+                f"pool_tok_start: expected values in [0, S - K] = [0, {s_tok - pool}] "
+                f"(S={s_tok}, K={pool}), got min {lo}, max {hi}"
+            )
+    with _fp32_region(k.device):
+        if n_pools == 0:
+            return torch.zeros((0, d), dtype=torch.float32, device=k.device)
+        rows = [pool_tok_start + j for j in range(pool)]
+        ape_f = ape.float()
+        logits = [gates.index_select(0, rows[j]).float() + ape_f[j] for j in range(pool)]
+        m = logits[0]
+        for j in range(1, pool):
+            m = torch.maximum(m, logits[j])
+        den = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
+        num = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
+        for j in range(pool):
+            e = torch.exp(logits[j] - m)
+            den = den + e
+            num = num + k.index_select(0, rows[j]).float() * e
+        return num / den
+
+
+def prepare_pools_bf16_serving(
+    k: torch.Tensor,
+    gates: torch.Tensor,
+    ape: torch.Tensor,
+    pool_tok_start: torch.Tensor,
+) -> torch.Tensor:
+    """Decode-mode pool keys stored in BF16, no rotation (the BF16 serving arm).
+
+    Args: as :func:`compress_pools_decode`.
+
+    Returns:
+        ``[P, D]``, bfloat16: ``compress_pools_decode(...).to(torch.bfloat16)``.
+    """
+    return compress_pools_decode(k, gates, ape, pool_tok_start).to(torch.bfloat16)
+
+
+def prepare_pools_fp8(
+    k: torch.Tensor,
+    gates: torch.Tensor,
+    ape: torch.Tensor,
+    pool_tok_start: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 pool keys as serving stores them (SPEC 6.1 to 6.4).
+
+    Args: as :func:`compress_pools_decode`.
+
+    Returns:
+        k8: ``[P, D]``, float8_e4m3fn; k_scale: ``[P]``, float32. Steps:
+        ``compress_pools_decode`` -> ``.to(bfloat16).float()`` -> :func:`hadamard` ->
+        ``.to(bfloat16)`` -> :func:`quantize_e4m3` along ``D``. ``D`` must be a power of two.
+    """
+    pooled = compress_pools_decode(k, gates, ape, pool_tok_start)
+    _check_power_of_two("k", pooled.shape[-1])
+    with _fp32_region(pooled.device):
+        rotated = hadamard(pooled.to(torch.bfloat16).float()).to(torch.bfloat16).float()
+        return quantize_e4m3(rotated, dim=-1)
+
+
+# -------------------------------------------------------------------------- queries
+
+
+def prepare_queries_fp8(
+    q: torch.Tensor, head_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 queries and folded head weights as serving feeds DeepGEMM (SPEC 6.5, 6.6).
+
+    Args:
+        q: ``[S, H, D]``, any float dtype; index queries. ``D`` must be a power of two.
+        head_weights: ``[S, H]``, any float dtype; the per-head gate ``w``.
+
+    Returns:
+        q8: ``[S, H, D]``, float8_e4m3fn: ``hadamard(q.float())`` rounded to BF16, then
+            :func:`quantize_e4m3` with one scale per (row, head).
+        weights: ``[S, H]``, float32: ``weight'[t, h]``, computed left to right with every
+            product rounded to FP32 (the order of DeepSeek-V3.2's indexer):
+            ``((w.float() * fp32(H^-0.5)) * q_scale) * fp32(D^-0.5)``. ``q_scale`` is a
+            power of two, so its product is exact barring under/overflow.
+    """
+    q = _check_tensor("q", q)
+    head_weights = _check_tensor("head_weights", head_weights)
+    _check_float("q", q)
+    _check_float("head_weights", head_weights)
+    _check_ndim("q", q, 3, "[S, H, D]")
+    _check_ndim("head_weights", head_weights, 2, "[S, H]")
+    s_tok, heads, d = q.shape
+    if head_weights.shape != (s_tok, heads):
+        raise ValueError(
+            f"head_weights: expected shape {(s_tok, heads)} ([S, H] of q), "
+            f"got {tuple(head_weights.shape)}"
+        )
+    _check_device("head_weights", head_weights, q.device)
+    _check_power_of_two("q", d)
+    with _fp32_region(q.device):
+        rotated = hadamard(q.float()).to(torch.bfloat16).float()
+        q8, q_scale = quantize_e4m3(rotated, dim=-1)
+        weights = head_weights.float() * _inv_sqrt_fp32(heads)
+        weights = weights * q_scale
+        weights = weights * _inv_sqrt_fp32(d)
+        return q8, weights
+
+
+# -------------------------------------------------------------------------- scoring
+
+
+def mqa_logits_fp8_reference(
+    q8: torch.Tensor,
+    weights: torch.Tensor,
+    k8: torch.Tensor,
+    k_scale: torch.Tensor,
+    chunk_rows: int = 256,
+) -> torch.Tensor:
+    """Dequantized reference of DeepGEMM ``fp8_mqa_logits`` (SPEC 6.6), all pairs, no mask.
+
+    Args:
+        q8: ``[S, H, D]``, float8_e4m3fn; from :func:`prepare_queries_fp8`.
+        weights: ``[S, H]``, float32; the folded ``weight'``.
+        k8: ``[P, D]``, float8_e4m3fn; from :func:`prepare_pools_fp8`.
+        k_scale: ``[P]``, float32.
+        chunk_rows: query rows per chunk; peak extra memory is about
+            ``2 * chunk_rows * P * 4`` bytes plus the FP32 copies of the inputs.
+
+    Returns:
+        ``[S, P]``, float32: ``k_scale[p] * sum_h weights[t, h] * ReLU(<q8[t, h], k8[p]>)``.
+        Order: per head ``h = 0..H-1`` an IEEE FP32 matmul of the dequantized (``.float()``)
+        values, ReLU, times ``weights[:, h]``, added to an FP32 accumulator; then times
+        ``k_scale``. No causal mask: restrict to valid slots yourself.
+    """
+    for name, t in (("q8", q8), ("weights", weights), ("k8", k8), ("k_scale", k_scale)):
+        _check_tensor(name, t)
+    _check_dtype("q8", q8, torch.float8_e4m3fn)
+    _check_dtype("weights", weights, torch.float32)
+    _check_dtype("k8", k8, torch.float8_e4m3fn)
+    _check_dtype("k_scale", k_scale, torch.float32)
+    _check_ndim("q8", q8, 3, "[S, H, D]")
+    _check_ndim("weights", weights, 2, "[S, H]")
+    _check_ndim("k8", k8, 2, "[P, D]")
+    _check_ndim("k_scale", k_scale, 1, "[P]")
+    _check_chunk_rows(chunk_rows)
+    s_tok, heads, d = q8.shape
+    n_pools = k8.shape[0]
+    if weights.shape != (s_tok, heads):
+        raise ValueError(
+            f"weights: expected shape {(s_tok, heads)} ([S, H] of q8), got {tuple(weights.shape)}"
+        )
+    _check_dim("k8", k8, 1, d, "D of q8")
+    _check_dim("k_scale", k_scale, 0, n_pools, "P of k8")
+    for name, t in (("weights", weights), ("k8", k8), ("k_scale", k_scale)):
+        _check_device(name, t, q8.device)
+    with _fp32_region(q8.device):
+        out = torch.empty((s_tok, n_pools), dtype=torch.float32, device=q8.device)
+        k_t = k8.float().t()
+        for r0 in range(0, s_tok, chunk_rows):
+            r1 = min(r0 + chunk_rows, s_tok)
+            qf = q8[r0:r1].float()
+            w = weights[r0:r1]
+            acc = torch.zeros((r1 - r0, n_pools), dtype=torch.float32, device=q8.device)
+            for h in range(heads):
+                acc += torch.relu(qf[:, h, :] @ k_t) * w[:, h, None]
+            out[r0:r1] = acc * k_scale
+        return out
+
+
+def scores_bf16_serving(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    pools_bf16: torch.Tensor,
+    chunk_rows: int = 256,
+) -> torch.Tensor:
+    """SPEC section 3 score against (BF16) pools, FP32 arithmetic, all pairs, no mask.
+
+    Args:
+        q: ``[S, H, D]``, any float dtype (used as ``q.float()``).
+        head_weights: ``[S, H]``, any float dtype (used as ``.float()``).
+        pools_bf16: ``[P, D]``, bfloat16 from :func:`prepare_pools_bf16_serving` (any
+            float dtype is accepted and used as ``.float()``).
+        chunk_rows: query rows per chunk (memory about ``2 * chunk_rows * P * 4`` bytes).
+
+    Returns:
+        ``[S, P]``, float32: ``sum_h (w[t, h] * H^-0.5) * ReLU(D^-0.5 * <q[t, h], pool[p]>)``.
+        Order: ``w' = w.float() * fp32(H^-0.5)``; per head ``h = 0..H-1``: IEEE FP32 matmul,
+        times ``fp32(D^-0.5)``, ReLU, times ``w'[:, h]``, added to an FP32 accumulator.
+    """
+    for name, t in (("q", q), ("head_weights", head_weights), ("pools_bf16", pools_bf16)):
+        _check_tensor(name, t)
+    _check_float("q", q)
+    _check_float("head_weights", head_weights)
+    _check_float("pools_bf16", pools_bf16)
+    _check_ndim("q", q, 3, "[S, H, D]")
+    _check_ndim("head_weights", head_weights, 2, "[S, H]")
+    _check_ndim("pools_bf16", pools_bf16, 2, "[P, D]")
+    _check_chunk_rows(chunk_rows)
+    s_tok, heads, d = q.shape
+    n_pools = pools_bf16.shape[0]
+    if head_weights.shape != (s_tok, heads):
+        raise ValueError(
+            f"head_weights: expected shape {(s_tok, heads)} ([S, H] of q), "
+            f"got {tuple(head_weights.shape)}"
+        )
+    _check_dim("pools_bf16", pools_bf16, 1, d, "D of q")
+    for name, t in (("head_weights", head_weights), ("pools_bf16", pools_bf16)):
+        _check_device(name, t, q.device)
+    c_d = _inv_sqrt_fp32(d)
+    with _fp32_region(q.device):
+        out = torch.empty((s_tok, n_pools), dtype=torch.float32, device=q.device)
+        p_t = pools_bf16.float().t()
+        w_all = head_weights.float() * _inv_sqrt_fp32(heads)
+        for r0 in range(0, s_tok, chunk_rows):
+            r1 = min(r0 + chunk_rows, s_tok)
+            qf = q[r0:r1].float()
+            w = w_all[r0:r1]
+            acc = torch.zeros((r1 - r0, n_pools), dtype=torch.float32, device=q.device)
+            for h in range(heads):
+                acc += torch.relu((qf[:, h, :] @ p_t) * c_d) * w[:, h, None]
+            out[r0:r1] = acc
+        return out
