@@ -110,9 +110,13 @@ class Backend:
         """Scores ``[C, hi - lo]`` FP32 of the chunk ``q [C, H, D]``, ``w [C, H]`` (raw gates)."""
         raise NotImplementedError
 
-    def run(self, problem: Problem) -> torch.Tensor:
-        """Selected global token ids, ``[S_local, width]`` int32."""
-        return run_chunked(self, problem)
+    def run(self, problem: Problem, pooled: Any = None) -> torch.Tensor:
+        """Selected global token ids, ``[S_local, width]`` int32.
+
+        ``pooled``: the pooled keys of all complete pools if already built (e.g. pooled
+        per shard and gathered); ``None`` pools ``problem.k`` / ``problem.gates`` here.
+        """
+        return run_chunked(self, problem, pooled)
 
 
 def chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int) -> int:
@@ -176,8 +180,9 @@ def select_rows(
     return out
 
 
-def run_chunked(backend: Backend, problem: Problem) -> torch.Tensor:
-    """The shared driver: pool, select this shard's rows chunk by chunk, then assemble."""
+def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch.Tensor:
+    """The shared driver: pool (unless ``pooled`` is given), select this shard's rows chunk
+    by chunk, then assemble."""
     seq, kpool, device = problem.seq, problem.kpool, problem.device
     tables = pool_table(seq.real_cu_seq_lens, kpool)
     width = output_width(problem.topk, kpool, problem.alignment)
@@ -186,7 +191,8 @@ def run_chunked(backend: Backend, problem: Problem) -> torch.Tensor:
     if own_hi <= own_lo:
         return out  # this shard holds only padding
     pts_dev = tables[0].to(device)
-    pooled = backend.pool(problem, pts_dev) if pts_dev.numel() else None
+    if pooled is None and pts_dev.numel():
+        pooled = backend.pool(problem, pts_dev)
     n = own_hi - own_lo
     pools = select_rows(backend, problem, pooled, tables, own_lo, own_hi, problem.q[:n], problem.head_weights[:n])
     meta = row_meta(torch.arange(own_lo, own_hi, device=device), seq.real_cu_seq_lens, tables[1], kpool)
