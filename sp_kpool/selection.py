@@ -25,6 +25,8 @@ __all__ = [
     "output_width",
     "score_keys",
     "topk_pools",
+    "topk_pools_fast",
+    "select_pools",
     "assemble",
     "TAILS",
     "ORDERS",
@@ -128,6 +130,59 @@ def topk_pools(
     valid = top != _INVALID_KEY
     pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
     return pools.masked_fill_(~valid, -1), valid
+
+
+#: Extra candidates taken by :func:`topk_pools_fast` beyond ``k`` to settle boundary ties.
+FAST_EXTRA = 8
+
+
+def topk_pools_fast(scores: torch.Tensor, k: int, col0: int, extra: int = FAST_EXTRA):
+    """The same selection as :func:`topk_pools`, from an FP32 Top-K plus a small int64 one.
+
+    ``scores``: ``[R, N]`` float32 with ``-inf`` at invisible cells (visible scores are
+    finite). ``torch.topk`` takes ``k + extra`` candidates by value; when the ``k``-th
+    value is strictly above the last candidate's, every pool that the exact rule could pick
+    is a candidate, and ranking the candidates by :func:`score_keys` gives exactly the
+    exact answer. Otherwise (a tie run longer than ``extra`` at the boundary; one host
+    synchronisation per call to find out) the exact int64 Top-K runs on the whole block.
+    Returns ``(pools, valid)`` as :func:`topk_pools`.
+    """
+    n = scores.shape[-1]
+    kk = min(k, n)
+    kc = min(kk + extra, n)
+    if kc == n:
+        return topk_pools(scores, scores > -float("inf"), k, col0)
+    vals, idx = torch.topk(scores, kc, dim=-1, sorted=True)
+    boundary = vals[:, kk - 1]
+    ambiguous = (boundary == vals[:, kc - 1]) & (boundary > -float("inf"))
+    if bool(ambiguous.any()):
+        return topk_pools(scores, scores > -float("inf"), k, col0)
+    # rank candidates exactly: keys of (value, column) on the [R, kc] candidate block
+    s = vals + 0.0
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    keys = (ordered << 32) | (0xFFFFFFFF - idx)
+    keys = keys.masked_fill_(~(vals > -float("inf")), _INVALID_KEY)
+    top = torch.topk(keys, kk, dim=-1, sorted=True).values
+    valid = top != _INVALID_KEY
+    pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
+    return pools.masked_fill_(~valid, -1), valid
+
+
+def select_pools(scores, visible, k: int, col0: int) -> torch.Tensor:
+    """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` int64 pool ids, ``-1``.
+
+    ``visible``: ``[R, N]`` bool, or ``None`` when ``scores`` already holds ``-inf`` at
+    invisible cells. On CUDA the FP32 candidate path (:func:`topk_pools_fast`) runs, on
+    CPU the int64-key path; both return the same ids by construction.
+    """
+    if scores.device.type == "cuda":
+        if visible is not None:
+            scores = scores.masked_fill(~visible, -float("inf"))
+        return topk_pools_fast(scores, k, col0)[0]
+    if visible is None:
+        visible = scores > -float("inf")
+    return topk_pools(scores, visible, k, col0)[0]
 
 
 def assemble(

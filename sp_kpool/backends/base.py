@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..pooling import pool_table
-from ..selection import assemble, output_width, row_meta, topk_pools
+from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
 
 __all__ = ["Problem", "Backend", "run_chunked", "select_rows", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
@@ -106,9 +106,28 @@ class Backend:
         """Bytes of scratch per (row, pool) cell that one scoring call allocates."""
         return 4
 
-    def score(self, problem: Problem, pooled: Any, q: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Scores ``[C, hi - lo]`` FP32 of the chunk ``q [C, H, D]``, ``w [C, H]`` (raw gates)."""
+    def score(
+        self,
+        problem: Problem,
+        pooled: Any,
+        q: torch.Tensor,
+        w: torch.Tensor,
+        lo: int,
+        hi: int,
+        starts: torch.Tensor,
+        ends: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scores ``[C, hi - lo]`` FP32 of the chunk ``q [C, H, D]``, ``w [C, H]`` (raw gates)
+        against pools ``lo .. hi - 1``. ``starts``/``ends`` (``[C]`` int32, relative to
+        ``lo``) give each row's visible columns; a backend may skip the rest. Cells outside a
+        row's range are ignored, unless ``masks_scores`` is set, which promises ``-inf``
+        there (the driver then skips its own masking pass)."""
         raise NotImplementedError
+
+    #: ``score`` writes ``-inf`` outside each row's visible range.
+    masks_scores: bool = False
+    #: Upper bound on the rows of one scoring chunk.
+    max_chunk_rows: int = MAX_CHUNK_ROWS
 
     def run(self, problem: Problem, pooled: Any = None) -> torch.Tensor:
         """Selected global token ids, ``[S_local, width]`` int32.
@@ -119,7 +138,7 @@ class Backend:
         return run_chunked(self, problem, pooled)
 
 
-def chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int) -> int:
+def chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int, max_rows: int = MAX_CHUNK_ROWS) -> int:
     """Rows per scoring chunk: fits the budget, from global quantities only."""
     per_row = max(1, num_pools) * bytes_per_cell
     rows = problem.max_logits_bytes // per_row
@@ -128,7 +147,7 @@ def chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int) -> int:
             f"max_logits_bytes: expected at least {per_row} (one query row against {num_pools} pools "
             f"at {bytes_per_cell} bytes per cell), got {problem.max_logits_bytes}"
         )
-    return int(max(1, min(rows, MAX_CHUNK_ROWS, problem.seq.num_real_tokens)))
+    return int(max(1, min(rows, max_rows, problem.seq.num_real_tokens)))
 
 
 def select_rows(
@@ -157,7 +176,7 @@ def select_rows(
     out = torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int64, device=device)
     if hi_row <= lo_row or num_pools == 0:
         return out
-    C = chunk_rows(problem, num_pools, backend.score_bytes_per_cell(problem))
+    C = chunk_rows(problem, num_pools, backend.score_bytes_per_cell(problem), backend.max_chunk_rows)
     num_real = seq.num_real_tokens
     H, D = problem.heads, problem.head_dim
     for g0 in range((lo_row // C) * C, hi_row, C):
@@ -167,15 +186,23 @@ def select_rows(
         lo, hi = int(ends.pool_lo[0]), int(ends.pool_hi[1])
         if hi <= lo:
             continue
-        meta = row_meta(torch.arange(a, b, device=device), real_cu, doc_pool_offset, kpool)
+        # every row of the global chunk with its true range (rows past the real length: empty),
+        # so the kernel call is the same whichever rank computes it
+        meta = row_meta(torch.arange(g0, g0 + C, device=device), real_cu, doc_pool_offset, kpool)
+        r_start = (meta.pool_lo - lo).clamp(0, hi - lo)
+        r_end = (meta.pool_hi - lo).clamp(0, hi - lo)
+        r_end = torch.maximum(r_start, r_end)
         qc = q.new_zeros((C, H, D))
         wc = w.new_zeros((C, H))
         qc[a - g0 : b - g0] = q[a - lo_row : b - lo_row]
         wc[a - g0 : b - g0] = w[a - lo_row : b - lo_row]
-        scores = backend.score(problem, pooled, qc, wc, lo, hi)[a - g0 : b - g0]
-        cols = torch.arange(lo, hi, device=device)
-        visible = (cols[None] >= meta.pool_lo[:, None]) & (cols[None] < meta.pool_hi[:, None])
-        pools, _ = topk_pools(scores, visible, k_sel, lo)
+        scores = backend.score(problem, pooled, qc, wc, lo, hi, r_start.to(torch.int32), r_end.to(torch.int32))
+        scores = scores[a - g0 : b - g0]
+        visible = None
+        if not backend.masks_scores:
+            cols = torch.arange(hi - lo, device=device)
+            visible = (cols[None] >= r_start[a - g0 : b - g0, None]) & (cols[None] < r_end[a - g0 : b - g0, None])
+        pools = select_pools(scores, visible, k_sel, lo)
         out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
     return out
 

@@ -51,7 +51,7 @@ class TorchBackend(Backend):
         # [C, H, N] FP32 per-head scores + [C, N] FP32 logits + [C, N] int64 sort keys.
         return 4 * (problem.heads + 1) + 8
 
-    def score(self, problem: Problem, pooled, q: torch.Tensor, w: torch.Tensor, lo: int, hi: int):
+    def score(self, problem: Problem, pooled, q, w, lo: int, hi: int, starts=None, ends=None):
         if problem.precision == "fp8":
             k8, k_scale = pooled
             q8, wq = serving.prepare_queries_fp8(q, w)

@@ -119,3 +119,19 @@ def test_invariant_checker_catches_a_broken_output():
         bad[r, c] = v
         with pytest.raises(AssertionError):
             check_invariants(bad, seq, topk=8, kpool=4, tail="fixed")
+
+
+@pytest.mark.parametrize("levels", [3, 1000, 10**6])
+def test_fast_topk_equals_exact_topk(levels):
+    # few levels: long tie runs at the boundary (fallback path); many: the candidate path
+    from sp_kpool.selection import topk_pools_fast
+
+    g = torch.Generator().manual_seed(levels)
+    scores = torch.randint(-levels, levels, (96, 300), generator=g).float() / levels
+    lo = torch.randint(0, 50, (96,), generator=g)
+    hi = lo + torch.randint(0, 251, (96,), generator=g)
+    cols = torch.arange(300)
+    visible = (cols >= lo[:, None]) & (cols < hi[:, None])
+    exact, _ = topk_pools(scores, visible, 32, col0=7)
+    fast, _ = topk_pools_fast(scores.masked_fill(~visible, -float("inf")), 32, col0=7)
+    assert torch.equal(fast, exact)
