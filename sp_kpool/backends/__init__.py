@@ -9,13 +9,18 @@ when nothing fits, the error lists every backend's reasons.
 
 from __future__ import annotations
 
+import warnings
+
 from .base import Backend, Problem
+from .deepgemm_backend import DeepGemmBackend
+from .tilelang_backend import TileLangBackend
 from .torch_backend import TorchBackend
 
 __all__ = ["Backend", "Problem", "BACKENDS", "resolve_backend", "backend_names"]
 
 #: Registered backends by name, in no particular order (priority decides ``auto``).
-BACKENDS: dict[str, Backend] = {b.name: b for b in (TorchBackend(),)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (TorchBackend(), TileLangBackend(), DeepGemmBackend())}
+_warned: set = set()
 
 
 def backend_names() -> list[str]:
@@ -30,6 +35,7 @@ def resolve_backend(name: str, problem: Problem) -> Backend:
         for b in sorted(BACKENDS.values(), key=lambda b: -b.priority):
             why = b.not_supported_reasons(problem)
             if not why:
+                _say_once_what_was_skipped(b, problem, reasons)
                 return b
             reasons[b.name] = why
         detail = "\n  ".join(f"{n}: {'; '.join(r)}" for n, r in reasons.items())
@@ -41,3 +47,23 @@ def resolve_backend(name: str, problem: Problem) -> Backend:
     if why:
         raise ValueError(f"backend: {name!r} cannot run this problem: {'; '.join(why)}")
     return b
+
+
+def _say_once_what_was_skipped(chosen: Backend, problem: Problem, reasons: dict) -> None:
+    """Warn once per process and reason when ``auto`` ran a slower implementation of the
+    same arithmetic because a faster one is unavailable on a CUDA device (the numerics
+    never change with availability; only the implementation does)."""
+    if problem.device.type != "cuda":
+        return
+    for bname, why in reasons.items():
+        b = BACKENDS[bname]
+        if problem.precision in b.precisions and b.priority > chosen.priority:
+            key = (bname, problem.precision, tuple(why))
+            if key not in _warned:
+                _warned.add(key)
+                warnings.warn(
+                    f"sp_kpool: precision {problem.precision!r} runs on backend {chosen.name!r}; "
+                    f"the faster {bname!r} is unavailable: {'; '.join(why)}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )

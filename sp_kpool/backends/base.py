@@ -15,6 +15,7 @@ computed by the same kernel call shape at the same position, whichever rank owns
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +25,33 @@ from ..pooling import pool_table
 from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
 
-__all__ = ["Problem", "Backend", "run_chunked", "select_rows", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
+__all__ = ["Problem", "Backend", "stage", "run_chunked", "select_rows", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
 MAX_CHUNK_ROWS = 512
 _ENV_BUDGET = "SP_KPOOL_MAX_LOGITS_BYTES"
 _DEFAULT_BUDGET = 256 * 2**20
+
+
+class stage:
+    """``with stage(problem, "score"):`` accumulates synchronized wall time if requested."""
+
+    def __init__(self, problem: "Problem", name: str):
+        self.times, self.name, self.device = problem.stage_times, name, problem.device
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self):
+        if self.times is not None:
+            self._sync()
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.times is not None:
+            self._sync()
+            self.times[self.name] = self.times.get(self.name, 0.0) + time.perf_counter() - self.t0
 
 
 def default_max_logits_bytes() -> int:
@@ -68,6 +90,9 @@ class Problem:
     alignment: int
     max_logits_bytes: int
     precision: str = "bf16"
+    #: When a dict, the driver synchronizes the device around each stage and adds the
+    #: seconds spent to ``stage_times["pool" | "score" | "select" | "expand"]`` (benchmarks).
+    stage_times: dict | None = None
 
     @property
     def heads(self) -> int:
@@ -106,6 +131,10 @@ class Backend:
         """Bytes of scratch per (row, pool) cell that one scoring call allocates."""
         return 4
 
+    def chunk_rows(self, problem: Problem, num_pools: int) -> int:
+        """Rows per scoring chunk, from global quantities only (same on every rank)."""
+        return chunk_rows(problem, num_pools, self.score_bytes_per_cell(problem), self.max_chunk_rows)
+
     def score(
         self,
         problem: Problem,
@@ -121,7 +150,9 @@ class Backend:
         against pools ``lo .. hi - 1``. ``starts``/``ends`` (``[C]`` int32, relative to
         ``lo``) give each row's visible columns; a backend may skip the rest. Cells outside a
         row's range are ignored, unless ``masks_scores`` is set, which promises ``-inf``
-        there (the driver then skips its own masking pass)."""
+        there (the driver then skips its own masking pass). A backend with request-local
+        columns returns ``(scores [C, W], offset [C] int64)``: column ``c`` of row ``r`` is
+        pool ``lo + offset[r] + c`` (``masks_scores`` must then hold)."""
         raise NotImplementedError
 
     #: ``score`` writes ``-inf`` outside each row's visible range.
@@ -176,7 +207,7 @@ def select_rows(
     out = torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int64, device=device)
     if hi_row <= lo_row or num_pools == 0:
         return out
-    C = chunk_rows(problem, num_pools, backend.score_bytes_per_cell(problem), backend.max_chunk_rows)
+    C = backend.chunk_rows(problem, num_pools)
     num_real = seq.num_real_tokens
     H, D = problem.heads, problem.head_dim
     for g0 in range((lo_row // C) * C, hi_row, C):
@@ -196,13 +227,19 @@ def select_rows(
         wc = w.new_zeros((C, H))
         qc[a - g0 : b - g0] = q[a - lo_row : b - lo_row]
         wc[a - g0 : b - g0] = w[a - lo_row : b - lo_row]
-        scores = backend.score(problem, pooled, qc, wc, lo, hi, r_start.to(torch.int32), r_end.to(torch.int32))
+        with stage(problem, "score"):
+            scores = backend.score(problem, pooled, qc, wc, lo, hi, r_start.to(torch.int32), r_end.to(torch.int32))
+        col0: Any = lo
+        if isinstance(scores, tuple):  # request-local columns: column c of row r is pool lo + offset[r] + c
+            scores, offset = scores
+            col0 = lo + offset[a - g0 : b - g0, None]
         scores = scores[a - g0 : b - g0]
         visible = None
         if not backend.masks_scores:
             cols = torch.arange(hi - lo, device=device)
             visible = (cols[None] >= r_start[a - g0 : b - g0, None]) & (cols[None] < r_end[a - g0 : b - g0, None])
-        pools = select_pools(scores, visible, k_sel, lo)
+        with stage(problem, "select"):
+            pools = select_pools(scores, visible, k_sel, col0)
         out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
     return out
 
@@ -219,18 +256,20 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
         return out  # this shard holds only padding
     pts_dev = tables[0].to(device)
     if pooled is None and pts_dev.numel():
-        pooled = backend.pool(problem, pts_dev)
+        with stage(problem, "pool"):
+            pooled = backend.pool(problem, pts_dev)
     n = own_hi - own_lo
     pools = select_rows(backend, problem, pooled, tables, own_lo, own_hi, problem.q[:n], problem.head_weights[:n])
-    meta = row_meta(torch.arange(own_lo, own_hi, device=device), seq.real_cu_seq_lens, tables[1], kpool)
-    out[:n] = assemble(
-        pools,
-        meta,
-        pts_dev,
-        topk=problem.topk,
-        kpool=kpool,
-        tail=problem.tail,
-        order=problem.order,
-        alignment=problem.alignment,
-    )
+    with stage(problem, "expand"):
+        meta = row_meta(torch.arange(own_lo, own_hi, device=device), seq.real_cu_seq_lens, tables[1], kpool)
+        out[:n] = assemble(
+            pools,
+            meta,
+            pts_dev,
+            topk=problem.topk,
+            kpool=kpool,
+            tail=problem.tail,
+            order=problem.order,
+            alignment=problem.alignment,
+        )
     return out

@@ -104,3 +104,54 @@ def simulate_ranks(x: GlobalInputs, world_size: int, *, topk: int, kpool: int, b
         chosen = resolve_backend(backend, dataclasses.replace(problem, k=d["k"], gates=d["gates"]))
         outs.append(chosen.run(problem))
     return outs
+
+
+def rank_slice_problem(
+    total: int, world_size: int, rank: int, *, heads: int, head_dim: int, kpool: int = 4, topk: int = 2048,
+    device="cuda", precision: str = "bf16", seed: int = 0, exact: bool = False, lengths: list[int] | None = None,
+    max_logits_bytes: int = 1 << 30, tail: str = "fixed", order: str = "ascending",
+):  # fmt: skip
+    """The ``Problem`` that rank ``rank`` of a ``world_size`` split sees after the gather,
+    built directly on ``device`` (BF16 inputs): keys and gates of the whole sequence,
+    queries and head weights of this rank's rows only. ``lengths`` (default one document
+    of ``total`` tokens) describe the packed documents.
+
+    ``exact=True`` makes every score exactly representable in FP32 (small integer keys and
+    queries, dyadic head weights, gates that make each pool's slot softmax exactly one-hot
+    per channel), so any two correct implementations agree bit for bit, ties included
+    (use ``D = 64`` and ``H`` in ``{16, 64}`` so ``D^-0.5`` and ``H^-0.5`` are dyadic).
+    """
+    from ..backends.base import Problem
+
+    lengths = lengths or [total]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    seq = ShardedSequence.split(cu, world_size=world_size, rank=rank)
+    g = torch.Generator(device=device).manual_seed(seed)
+    S, R, H, D = seq.total_length, seq.shard_size, heads, head_dim
+    bf = torch.bfloat16
+
+    if exact:
+        def ints(*shape, lo=-3, hi=4):
+            return torch.randint(lo, hi, shape, generator=g, device=device).to(bf)
+
+        k, q = ints(S, D), ints(R, H, D)
+        w = (torch.randint(-2, 3, (R, H), generator=g, device=device).float() * 0.5).to(bf)
+        cu_t = torch.tensor(cu, device=device)
+        pos = torch.arange(S, device=device)
+        doc = torch.searchsorted(cu_t, pos, right=True) - 1
+        slot = (pos - cu_t[doc.clamp(max=len(cu) - 2)]) % kpool
+        hot = slot[:, None] == (torch.arange(D, device=device) % kpool)[None]
+        gates = torch.where(hot, 60.0, -60.0).to(bf)
+        ape = torch.zeros(kpool, D, device=device, dtype=bf)
+    else:
+        k = torch.randn(S, D, generator=g, device=device).to(bf)
+        gates = torch.randn(S, D, generator=g, device=device).to(bf)
+        ape = (torch.randn(kpool, D, generator=g, device=device) * 0.5).to(bf)
+        q = torch.randn(R, H, D, generator=g, device=device).to(bf)
+        w = torch.randn(R, H, generator=g, device=device).to(bf)
+    return Problem(
+        q=q, head_weights=w, k=k, gates=gates, ape=ape, seq=seq, topk=topk, kpool=kpool, tail=tail, order=order,
+        alignment=1, max_logits_bytes=max_logits_bytes, precision=precision,
+    )  # fmt: skip

@@ -1,0 +1,171 @@
+"""Single-GPU benchmark of the GPU backends on the reference workload (SPEC 9).
+
+    python scripts/bench_kernels.py [--heads 32,64] [--total 131072] [--out DIR]
+
+Workload: the rank-3 slice of a 4-rank split of one ``--total``-token document (for 131072:
+32768 queries at positions 98304..131071 against 32768 pools), D 128, topk 2048, kpool 4.
+Reports, measured in the same run: the BF16 and FP8 matrix-product ceilings of this GPU;
+per stage (pool, score, select, expand) times of the tilelang (bf16) and deepgemm (fp8)
+backends with achieved TFLOP/s (causal query-pool pairs only) and the fraction of the
+ceiling; DeepGEMM scoring alone; torch.topk and LMDeploy's selector on the same logits;
+the torch backend end to end (once) for the speed-up. Writes ``bench_kernels.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from sp_kpool.backends import BACKENDS  # noqa: E402
+from sp_kpool.pooling import pool_table  # noqa: E402
+from sp_kpool.selection import row_meta  # noqa: E402
+from sp_kpool.testing.problems import rank_slice_problem  # noqa: E402
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def bench(fn, reps=10, warmup=3):
+    """Median milliseconds of ``fn()`` (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def ceilings():
+    n = 8192
+    a = torch.randn(n, n, device="cuda").bfloat16()
+    b = torch.randn(n, n, device="cuda").bfloat16()
+    ms = bench(lambda: a @ b, reps=20)
+    out = {"bf16_matmul_tflops": 2 * n**3 / ms / 1e9}
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device="cuda")
+        ms8 = bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), reps=20)
+        out["fp8_matmul_tflops"] = 2 * n**3 / ms8 / 1e9
+    except Exception as exc:  # noqa: BLE001
+        out["fp8_matmul_tflops"] = f"unavailable: {exc}"
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    ms_copy = bench(lambda: x.clone(), reps=20)
+    out["copy_gbps"] = 2 * 2**30 / ms_copy / 1e6
+    return out
+
+
+def causal_pairs(p):
+    starts, offs = pool_table(p.seq.real_cu_seq_lens, p.kpool)
+    m = row_meta(torch.arange(p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)), p.seq.real_cu_seq_lens, offs, p.kpool)
+    return int(m.n_visible.sum())
+
+
+def staged(name, p, reps=5):
+    be = BACKENDS[name]
+    be.run(p)  # warm-up (JIT)
+    torch.cuda.synchronize()
+    totals = []
+    stages: dict = {}
+    for _ in range(reps):
+        pt = dataclasses.replace(p, stage_times={})
+        be.run(pt)
+        for k, v in pt.stage_times.items():
+            stages.setdefault(k, []).append(v * 1e3)
+    whole = bench(lambda: be.run(p), reps=reps, warmup=1)
+    med = {k: sorted(v)[len(v) // 2] for k, v in stages.items()}
+    return whole, med
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="32,64")
+    ap.add_argument("--total", type=int, default=131072)
+    ap.add_argument("--budget", type=int, default=8 << 30, help="max_logits_bytes for the GPU backends")
+    ap.add_argument("--torch-baseline", action="store_true", help="also time the torch backend end to end (slow)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "args": vars(args)}  # fmt: skip
+    for mod in ("triton", "tilelang", "deep_gemm", "lmdeploy"):
+        try:
+            res[mod] = getattr(__import__(mod), "__version__", "?")
+        except Exception as exc:  # noqa: BLE001
+            res[mod] = f"unavailable ({type(exc).__name__})"
+    res["ceilings"] = ceil = ceilings()
+    log(json.dumps(res))
+    res["runs"] = []
+    for H in [int(h) for h in args.heads.split(",")]:
+        for precision, name in (("bf16", "tilelang"), ("fp8", "deepgemm")):
+            p = rank_slice_problem(args.total, 4, 3, heads=H, head_dim=128, topk=2048, precision=precision,
+                                   max_logits_bytes=args.budget, seed=H)  # fmt: skip
+            pairs = causal_pairs(p)
+            flops = 2.0 * pairs * H * 128
+            row = {"backend": name, "precision": precision, "H": H, "rows": p.q.shape[0], "causal_pairs": pairs}
+            try:
+                whole, st = staged(name, p)
+                ceiling = ceil["bf16_matmul_tflops"] if precision == "bf16" else ceil.get("fp8_matmul_tflops")
+                row.update(whole_ms=whole, stages_ms=st, score_tflops=flops / st["score"] / 1e9,
+                           whole_over_score=whole / st["score"])  # fmt: skip
+                if isinstance(ceiling, float):
+                    row["score_fraction_of_ceiling"] = row["score_tflops"] / ceiling
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            if precision == "fp8" and "error" not in row:
+                # DeepGEMM scoring alone on the same inputs, one call over all rows
+                from sp_kpool.backends.deepgemm_backend import mqa_api
+                from sp_kpool.kernels.triton_serving import pools_serving, queries_fp8
+
+                fn, _ = mqa_api()
+                stt, offs = pool_table(p.seq.real_cu_seq_lens, 4)
+                k8, ks = pools_serving(p.k, p.gates, p.ape, stt.cuda(), fp8=True)
+                q8, wq = queries_fp8(p.q, p.head_weights)
+                m = row_meta(torch.arange(p.seq.shard_start, p.seq.shard_end), p.seq.real_cu_seq_lens, offs, 4)
+                s, e = m.pool_lo.int().cuda(), m.pool_hi.int().cuda()
+                ms = bench(lambda: fn(q8, (k8, ks), wq, s, e, clean_logits=True), reps=10)
+                row["deepgemm_alone_ms"] = ms
+                row["deepgemm_alone_tflops"] = flops / ms / 1e9
+                row["whole_over_deepgemm_alone"] = row["whole_ms"] / ms
+                logits = fn(q8, (k8, ks), wq, s, e, clean_logits=True)[:, : k8.shape[0]]
+                row["torch_topk_520_ms"] = bench(lambda: torch.topk(logits, 520, dim=-1), reps=5)
+                try:
+                    from lmdeploy.pytorch.kernels.cuda.sparse_index_topk import sparse_index_topk
+
+                    qlen = torch.ones(logits.shape[0], dtype=torch.int32, device="cuda")
+                    kvlen = e.clone()
+                    row["lmdeploy_topk_512_ms"] = bench(lambda: sparse_index_topk(logits.contiguous(), qlen, kvlen, 512), reps=5)
+                except Exception as exc:  # noqa: BLE001
+                    row["lmdeploy_topk_512"] = f"unavailable: {type(exc).__name__}: {exc}"
+                del logits
+            if args.torch_baseline and precision == "bf16" and "error" not in row:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                BACKENDS["torch"].run(dataclasses.replace(p, max_logits_bytes=4 << 30))
+                torch.cuda.synchronize()
+                row["torch_backend_ms"] = (time.perf_counter() - t0) * 1e3
+                row["speedup_vs_torch"] = row["torch_backend_ms"] / row["whole_ms"]
+            res["runs"].append(row)
+            log(json.dumps(row))
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

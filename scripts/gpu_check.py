@@ -1,0 +1,292 @@
+"""GPU correctness checks of the GPU backends (run on a Hopper GPU; records JSON).
+
+    python scripts/gpu_check.py [--quick] [--out DIR]
+
+Sections (each reports PASS/FAIL with numbers; exit status 1 if any FAILs):
+  serving-kernels  Triton pools (fp8 values+scales, bf16-serving) and queries bitwise equal
+                   to the torch serving implementation on the same GPU
+  tilelang-exact   exact-arithmetic inputs: tilelang backend output == torch backend output
+                   bit for bit (packed odd documents, shard offsets of a 4-rank split,
+                   1 .. 131072 tokens, heavy exact ties), both BF16 modes
+  tilelang-random  random inputs, H 32/64, D 128, topk 2048, kpool 4: differing rows are
+                   near-ties only (float64 scores); repeated runs bitwise identical
+  deepgemm         legacy/compact logits vs the dequantized torch reference (normalized error
+                   on valid causal slots), real logits storage within the budget (also a
+                   short unaligned chunk), fp8 indexer vs the torch fp8 backend (near-ties
+                   only), repeat bitwise identical
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from sp_kpool import serving  # noqa: E402
+from sp_kpool.backends import BACKENDS  # noqa: E402
+from sp_kpool.pooling import pool_table  # noqa: E402
+from sp_kpool.selection import row_meta  # noqa: E402
+from sp_kpool.testing.problems import rank_slice_problem  # noqa: E402
+
+RESULTS: dict = {"sections": {}}
+FAILS: list[str] = []
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def record(section, name, ok, **info):
+    RESULTS["sections"].setdefault(section, []).append({"check": name, "ok": bool(ok), **info})
+    log(f"[{section}] {'PASS' if ok else 'FAIL'} {name} {json.dumps(info, default=str)}")
+    if not ok:
+        FAILS.append(f"{section}:{name}")
+
+
+def versions():
+    v = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": platform.python_version(), "torch": torch.__version__,
+         "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0)}  # fmt: skip
+    for mod in ("triton", "tilelang", "deep_gemm", "lmdeploy", "transformers"):
+        try:
+            m = __import__(mod)
+            v[mod] = getattr(m, "__version__", "?")
+        except Exception as exc:  # noqa: BLE001
+            v[mod] = f"unavailable ({type(exc).__name__})"
+    return v
+
+
+def near_tie_rows(problem, out_a, out_b, row_scores, rel_tol=1e-5):
+    """Rows whose selected token sets differ beyond a near-tie: every swapped pool's float64
+    score (``row_scores(r, lo, hi)`` -> ``[hi - lo]``) must lie within ``rel_tol * max|s|``
+    of the selection boundary."""
+    seq, K = problem.seq, problem.kpool
+    diff = torch.nonzero((torch.sort(out_a, dim=1).values != torch.sort(out_b, dim=1).values).any(1)).flatten()
+    starts, offs = pool_table(seq.real_cu_seq_lens, K)
+    starts = starts.to(out_a.device)
+    bad = []
+    for r in diff.tolist():
+        t = seq.shard_start + r
+        m = row_meta(torch.tensor([t]), seq.real_cu_seq_lens, offs, K)
+        lo, hi = int(m.pool_lo[0]), int(m.pool_hi[0])
+        sc = row_scores(r, lo, hi)
+        ranked = torch.sort(sc, descending=True).values
+        kk = min(problem.topk // K, hi - lo)
+        boundary = float(ranked[kk - 1])
+        tol = rel_tol * float(sc.abs().max()) + 1e-9
+        to_pool = {int(s): i for i, s in enumerate(starts[lo:hi].tolist())}
+        sa = {to_pool[v] for v in out_a[r].tolist() if v in to_pool}
+        sb = {to_pool[v] for v in out_b[r].tolist() if v in to_pool}
+        if any(abs(float(sc[p]) - boundary) > tol for p in sa ^ sb):
+            bad.append(t)
+    return diff.numel(), bad
+
+
+def bf16_row_scores(problem, pooled):
+    H, D = problem.heads, problem.head_dim
+    pk = pooled.double()
+
+    def f(r, lo, hi):
+        sc = torch.relu(problem.q[r].double() @ pk[lo:hi].t() * D**-0.5)
+        return (problem.head_weights[r].double() * H**-0.5) @ sc
+
+    return f
+
+
+def fp8_row_scores(q8, wq, k8, ks):
+    kd, qd = k8.double(), q8.double()
+
+    def f(r, lo, hi):
+        return ks[lo:hi].double() * (wq[r].double() @ torch.relu(qd[r] @ kd[lo:hi].t()))
+
+    return f
+
+
+def section_serving_kernels(quick):
+    from sp_kpool.kernels.triton_serving import pools_serving, queries_fp8
+
+    for S, D, K in [(4099, 128, 4), (1000, 64, 1), (777, 128, 16), (4096 if quick else 131072, 128, 4)]:
+        g = torch.Generator(device="cuda").manual_seed(S)
+        k = torch.randn(S, D, generator=g, device="cuda").bfloat16()
+        gates = (torch.randn(S, D, generator=g, device="cuda") * 3).bfloat16()
+        ape = torch.randn(K, D, generator=g, device="cuda").bfloat16()
+        starts, _ = pool_table(torch.tensor([0, S // 3, S]), K)
+        starts = starts.cuda()
+        k8, ks = pools_serving(k, gates, ape, starts, fp8=True)
+        r8, rs = serving.prepare_pools_fp8(k, gates, ape, starts)
+        ok = torch.equal(k8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(ks, rs)
+        nbad = int((k8.view(torch.uint8) != r8.view(torch.uint8)).sum())
+        record("serving-kernels", f"fp8 pools S={S} D={D} K={K}", ok, pools=starts.numel(), differing_values=nbad,
+               differing_scales=int((ks != rs).sum()))  # fmt: skip
+        pb = pools_serving(k, gates, ape, starts, fp8=False)
+        rb = serving.prepare_pools_bf16_serving(k, gates, ape, starts)
+        record("serving-kernels", f"bf16-serving pools S={S} D={D} K={K}", torch.equal(pb.view(torch.int16), rb.view(torch.int16)),
+               differing=int((pb.view(torch.int16) != rb.view(torch.int16)).sum()))  # fmt: skip
+    for S, H, D in [(37, 16, 64), (4096, 64, 128), (1000, 32, 128)]:
+        g = torch.Generator(device="cuda").manual_seed(H)
+        q = torch.randn(S, H, D, generator=g, device="cuda").bfloat16()
+        w = torch.randn(S, H, generator=g, device="cuda").bfloat16()
+        q8, wq = queries_fp8(q, w)
+        r8, rw = serving.prepare_queries_fp8(q, w)
+        ok = torch.equal(q8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(wq, rw)
+        record("serving-kernels", f"fp8 queries S={S} H={H} D={D}", ok,
+               differing_values=int((q8.view(torch.uint8) != r8.view(torch.uint8)).sum()), differing_weights=int((wq != rw).sum()))  # fmt: skip
+
+
+def _run(name, problem):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = BACKENDS[name].run(problem)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def section_tilelang_exact(quick):
+    cases = [
+        # total, world, rank, H, D, lengths, topk
+        (1, 1, 0, 16, 64, None, 2048),
+        (4099, 4, 1, 16, 64, [1000, 1, 3, 2047, 1048], 64),
+        (4099, 4, 3, 64, 64, [1000, 1, 3, 2047, 1048], 64),
+        (20000, 4, 2, 64, 64, [19999, 1], 2048),
+        (8193, 3, 2, 16, 64, None, 512),
+    ]
+    if not quick:
+        cases.append((131072, 4, 3, 64, 64, None, 2048))
+    for total, ws, rank, H, D, lengths, topk in cases:
+        for precision in ("bf16", "bf16-serving"):
+            p = rank_slice_problem(total, ws, rank, heads=H, head_dim=D, topk=topk, exact=True, lengths=lengths,
+                                   precision=precision, max_logits_bytes=1 << 30)  # fmt: skip
+            a, ta = _run("tilelang", p)
+            b, tb = _run("torch", p)
+            record("tilelang-exact", f"S={total} ws={ws} rank={rank} H={H} D={D} topk={topk} {precision}",
+                   torch.equal(a, b), rows=a.shape[0], tilelang_s=round(ta, 3), torch_s=round(tb, 3),
+                   differing_rows=int((a != b).any(1).sum()))  # fmt: skip
+
+
+def section_tilelang_random(quick):
+    for H in (32, 64):
+        for total, ws, rank, lengths in [(8192 + 3, 4, 3, [5000, 7, 3188]), (16384 if quick else 65536, 4, 3, None)]:
+            p = rank_slice_problem(total, ws, rank, heads=H, head_dim=128, topk=2048, lengths=lengths, seed=H)
+            a, ta = _run("tilelang", p)
+            b, tb = _run("torch", p)
+            pooled = BACKENDS["torch"].pool(p, pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda())
+            ndiff, bad = near_tie_rows(p, a, b, bf16_row_scores(p, pooled))
+            record("tilelang-random", f"S={total} rank={rank}/{ws} H={H}", not bad, rows=a.shape[0], differing_rows=ndiff,
+                   beyond_near_tie=bad[:5], tilelang_s=round(ta, 3), torch_s=round(tb, 3))  # fmt: skip
+            a2, _ = _run("tilelang", p)
+            a3, _ = _run("tilelang", dataclasses.replace(p, max_logits_bytes=3 * 2**20 + 12345))
+            record("tilelang-random", f"repeat bitwise S={total} H={H}", torch.equal(a, a2))
+            record("tilelang-random", f"small budget bitwise S={total} H={H}", torch.equal(a, a3))
+    # the budget bounds the real logits storage
+    p = rank_slice_problem(20000, 4, 3, heads=64, head_dim=128, topk=2048, max_logits_bytes=5_000_000)
+    be = BACKENDS["tilelang"]
+    n = pool_table(p.seq.real_cu_seq_lens, 4)[0].numel()
+    C = be.chunk_rows(p, n)
+    pooled = be.pool(p, pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda())
+    z = torch.zeros(C, dtype=torch.int32, device="cuda")
+    sc = be.score(p, pooled, p.q[:C], p.head_weights[:C], 0, n, z, z + n)
+    record("tilelang-random", "logits storage within budget", sc.untyped_storage().nbytes() <= p.max_logits_bytes,
+           rows=C, bytes=sc.untyped_storage().nbytes(), budget=p.max_logits_bytes)  # fmt: skip
+
+
+def section_deepgemm(quick):
+    from sp_kpool.backends.deepgemm_backend import legacy_alignment, mqa_api
+    from sp_kpool.kernels.triton_serving import pools_serving, queries_fp8
+    from sp_kpool.logits_budget import logits_bytes
+
+    fn, layouts = mqa_api()
+    a = legacy_alignment(0)
+    record("deepgemm", "api", True, function=fn.__name__, layouts=list(layouts), legacy_alignment=a)
+    for H in (32, 64):
+        p = rank_slice_problem(8192, 4, 3, heads=H, head_dim=128, topk=2048, precision="fp8", seed=3)
+        st = pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda()
+        k8, ks = pools_serving(p.k, p.gates, p.ape, st, fp8=True)
+        q8, wq = queries_fp8(p.q, p.head_weights)
+        ref = serving.mqa_logits_fp8_reference(q8, wq, k8, ks)
+        m = row_meta(torch.arange(p.seq.shard_start, p.seq.shard_end), p.seq.real_cu_seq_lens, pool_table(p.seq.real_cu_seq_lens, 4)[1], 4)
+        s, e = m.pool_lo.int().cuda(), m.pool_hi.int().cuda()
+        cols = torch.arange(k8.shape[0], device="cuda")
+        valid = (cols[None] >= s[:, None]) & (cols[None] < e[:, None])
+        for layout in layouts:
+            if layout == "legacy":
+                lg = fn(q8, (k8, ks), wq, s, e, clean_logits=True)[:, : k8.shape[0]]
+            else:
+                width = int((e - s).max())
+                raw = fn(q8, (k8, ks), wq, s, e, clean_logits=False, max_seqlen_k=width)[:, :width]
+                lg = torch.full_like(ref, -float("inf"))
+                idx = (s[:, None].long() + torch.arange(width, device="cuda")[None]).clamp(max=k8.shape[0] - 1)
+                ok_c = torch.arange(width, device="cuda")[None] < (e - s)[:, None]
+                lg.scatter_(1, torch.where(ok_c, idx, torch.zeros_like(idx)), torch.where(ok_c, raw, lg.gather(1, torch.zeros_like(idx))))
+            d = (lg[valid].double() - ref[valid].double())
+            err = float(d.norm() / ref[valid].double().norm())
+            outside = bool(torch.isneginf(lg[~valid]).all()) if layout == "legacy" else True
+            record("deepgemm", f"logits vs dequantized reference H={H} {layout}", err <= 5e-6 and outside,
+                   normalized_error=err, valid_slots=int(valid.sum()), masked_outside=outside)  # fmt: skip
+    # budget: real storage of short unaligned chunks in both layouts
+    for layout in layouts:
+        os.environ["SP_KPOOL_MQA_LAYOUT"] = layout
+        for rows, budget in [(204, 2**20), (37, 2**20), (4096, 64 * 2**20)]:
+            p = rank_slice_problem(4096, 1, 0, heads=32, head_dim=128, topk=2048, precision="fp8", max_logits_bytes=budget)
+            be = BACKENDS["deepgemm"]
+            st = pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda()
+            pooled = be.pool(p, st)
+            n = st.numel()
+            C = min(rows, be.chunk_rows(p, n))
+            z = torch.zeros(C, dtype=torch.int32, device="cuda")
+            try:
+                res = be.score(p, pooled, p.q[:C], p.head_weights[:C], 0, n, z, z + n)
+                ok, info = True, {}
+            except RuntimeError as exc:
+                ok, info = False, {"error": str(exc)}
+            record("deepgemm", f"budget {layout} rows={C} budget={budget}", ok, predicted=logits_bytes(C, n, 32, layout, a), **info)
+        os.environ.pop("SP_KPOOL_MQA_LAYOUT")
+    for H in (32, 64):
+        for total, lengths in [(8195, [4000, 3, 4192]), (16384 if quick else 65536, None)]:
+            p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=2048, lengths=lengths, precision="fp8", seed=H)
+            x, tx = _run("deepgemm", p)
+            y, ty = _run("torch", p)
+            st = pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda()
+            k8, ks = BACKENDS["torch"].pool(p, st)
+            q8, wq = serving.prepare_queries_fp8(p.q, p.head_weights)
+            ndiff, bad = near_tie_rows(p, x, y, fp8_row_scores(q8, wq, k8, ks))
+            x2, _ = _run("deepgemm", p)
+            record("deepgemm", f"fp8 indexer vs torch fp8 S={total} H={H}", not bad, differing_rows=ndiff, rows=x.shape[0],
+                   beyond_near_tie=bad[:5], deepgemm_s=round(tx, 3), torch_s=round(ty, 3))  # fmt: skip
+            record("deepgemm", f"repeat bitwise S={total} H={H}", torch.equal(x, x2))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sections", default="serving-kernels,tilelang-exact,tilelang-random,deepgemm")
+    args = ap.parse_args()
+    RESULTS["versions"] = versions()
+    log(json.dumps(RESULTS["versions"]))
+    table = {"serving-kernels": section_serving_kernels, "tilelang-exact": section_tilelang_exact,
+             "tilelang-random": section_tilelang_random, "deepgemm": section_deepgemm}  # fmt: skip
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            table[name](args.quick)
+        except Exception:  # noqa: BLE001 - report and go on to the next section
+            record(name, "section crashed", False, traceback=traceback.format_exc()[-3000:])
+        log(f"[{name}] done in {time.perf_counter() - t0:.1f} s")
+    RESULTS["fails"] = FAILS
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    log(f"{'PASS' if not FAILS else 'FAIL'}: {len(FAILS)} failing checks {FAILS}")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Lazy, cached probes of optional GPU packages. Nothing is imported at ``import sp_kpool``."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+__all__ = ["probe", "cuda_reason"]
+
+#: package -> the extra that installs it
+_EXTRAS = {
+    "tilelang": "pip install 'sp-kpool[tilelang]'",
+    "triton": "pip install triton (ships with CUDA builds of torch)",
+    "deep_gemm": "pip install 'sp-kpool[fp8]' (tokenspeed-deepgemm)",
+    "lmdeploy.pytorch.kernels.cuda.sparse_index_topk": "pip install 'sp-kpool[serving]' (lmdeploy)",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def probe(module: str) -> tuple[object | None, str | None]:
+    """``(module, None)`` if ``module`` imports, else ``(None, reason)``; cached per process."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:  # ImportError, or a broken build raising anything at import
+        hint = _EXTRAS.get(module, "")
+        return None, f"{module} not importable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}){'; ' + hint if hint else ''}"
+
+
+def cuda_reason(device) -> str | None:
+    """Why a CUDA kernel cannot run on ``device`` (``None``: it can)."""
+    import torch
+
+    if device.type != "cuda":
+        return f"needs a CUDA device, inputs are on {device}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"needs compute capability >= 9.0 (Hopper), device has {major}.x"
+    return None

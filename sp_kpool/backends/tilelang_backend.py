@@ -1,0 +1,67 @@
+"""``backend="tilelang"``: BF16 modes on Hopper GPUs.
+
+Pools on the GPU (``bf16``: the model arithmetic in torch ops; ``bf16-serving``: the
+Triton decode-compression kernel, bitwise equal to the torch one, or the torch one when
+Triton is missing), scores with the TileLang kernel of :mod:`sp_kpool.kernels.tilelang_score`
+(``-inf`` outside each row's causal range), selection with the FP32 candidate Top-K of
+:mod:`sp_kpool.selection` (the same ids as the exact rule, no per-row host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import serving
+from .._probe import cuda_reason, probe
+from ..pooling import compress_pools_bf16
+from .base import Backend, Problem
+
+__all__ = ["TileLangBackend"]
+
+
+class TileLangBackend(Backend):
+    name = "tilelang"
+    precisions = ("bf16", "bf16-serving")
+    priority = 20
+    masks_scores = True
+    max_chunk_rows = 1 << 15
+
+    def not_supported_reasons(self, problem: Problem) -> list[str]:
+        from ..kernels.tilelang_score import SUPPORTED_DIMS, SUPPORTED_HEADS
+
+        reasons = super().not_supported_reasons(problem)
+        why = cuda_reason(problem.device)
+        if why:
+            reasons.append(why)
+        if problem.heads not in SUPPORTED_HEADS:
+            reasons.append(f"H = {problem.heads} not in {list(SUPPORTED_HEADS)}")
+        if problem.head_dim not in SUPPORTED_DIMS:
+            reasons.append(f"D = {problem.head_dim} not in {list(SUPPORTED_DIMS)}")
+        for name, t in (("q", problem.q), ("k", problem.k)):
+            if t.dtype != torch.bfloat16:
+                reasons.append(f"{name} must be bfloat16, got {t.dtype}")
+        if not reasons:  # import only when everything else fits
+            _, why = probe("tilelang")
+            if why:
+                reasons.append(why)
+        return reasons
+
+    def pool(self, problem: Problem, pool_tok_start: torch.Tensor):
+        args = (problem.k, problem.gates, problem.ape, pool_tok_start)
+        if problem.precision == "bf16":
+            return compress_pools_bf16(*args)
+        if probe("triton")[0] is not None:
+            from ..kernels.triton_serving import pools_serving
+
+            return pools_serving(*args, fp8=False)
+        return serving.prepare_pools_bf16_serving(*args)
+
+    def score_bytes_per_cell(self, problem: Problem) -> int:
+        return 4  # the FP32 logits; Top-K scratch is [C, k + 8]
+
+    def score(self, problem, pooled, q, w, lo, hi, starts, ends):
+        from ..kernels.tilelang_score import tilelang_scores
+
+        H, D = problem.heads, problem.head_dim
+        wq = w.float() * (H**-0.5 * D**-0.5)
+        return tilelang_scores(q, wq, pooled[lo:hi], starts, ends)

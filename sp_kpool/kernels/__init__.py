@@ -1,0 +1,1 @@
+"""GPU kernels (TileLang, Triton). Imported lazily by the backends that use them."""

@@ -1,0 +1,130 @@
+"""TileLang BF16 pool scorer (SPEC 3): ``ReLU(q.k)`` x head weight, summed over heads.
+
+One thread block owns ``BQ = max(1, 128 // H)`` query rows, i.e. a ``[BQ*H, D]`` BF16 tile
+of queries that stays in shared memory, and streams the pooled keys of the union of its
+rows' ranges in ``[BN, D]`` tiles::
+
+    S[BN, BQ*H] = K_tile @ Q_tile^T                (tensor cores, FP32 accumulate)
+    S <- max(S, 0) * w'[bq, h]                      (w' = w * H^-0.5 * D^-0.5, FP32)
+    logits[bq, n] = sum_h S[n, bq, h]               (FP32)
+    out[row, n] = logits if start[row] <= n < end[row] else -inf
+
+``D^-0.5`` is folded into the head weights (ReLU is positively homogeneous), so this is
+the model score up to FP32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["tilelang_scores", "SUPPORTED_HEADS", "SUPPORTED_DIMS", "default_config"]
+
+SUPPORTED_HEADS = (16, 32, 64, 128)
+SUPPORTED_DIMS = (64, 128)
+_ENV_CONFIG = "SP_KPOOL_TILELANG_CONFIG"  # "block_n,num_stages,threads"
+
+
+def default_config(heads: int, dim: int) -> tuple[int, int, int]:
+    """``(block_n, num_stages, threads)``; ``$SP_KPOOL_TILELANG_CONFIG`` overrides."""
+    raw = os.environ.get(_ENV_CONFIG)
+    if raw:
+        try:
+            bn, st, th = (int(v) for v in raw.split(","))
+        except ValueError:
+            raise ValueError(f"{_ENV_CONFIG}: expected 'block_n,num_stages,threads', got {raw!r}") from None
+        return bn, st, th
+    return 128, 2, 256
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int):
+    import tilelang
+    import tilelang.language as T
+
+    block_q = max(1, 128 // heads)
+
+    @tilelang.jit
+    def build(heads=heads, dim=dim, block_n=block_n, num_stages=num_stages, threads=threads, block_q=block_q):
+        rows = T.dynamic("rows")
+        cols = T.dynamic("cols")
+
+        @T.prim_func
+        def pool_scores(
+            Q: T.Tensor([rows * heads, dim], "bfloat16"),
+            K: T.Tensor([cols, dim], "bfloat16"),
+            W: T.Tensor([rows, heads], "float32"),
+            Starts: T.Tensor([rows], "int32"),
+            Ends: T.Tensor([rows], "int32"),
+            Out: T.Tensor([rows, cols], "float32"),
+        ):
+            with T.Kernel(T.ceildiv(rows, block_q), threads=threads) as bx:
+                q_s = T.alloc_shared([block_q * heads, dim], "bfloat16")
+                k_s = T.alloc_shared([block_n, dim], "bfloat16")
+                s = T.alloc_fragment([block_n, block_q * heads], "float32")
+                s3 = T.reshape(s, (block_n, block_q, heads))
+                acc = T.alloc_fragment([block_n, block_q], "float32")
+                w_f = T.alloc_fragment([block_q, heads], "float32")
+                lo = T.alloc_local([1], "int32")
+                hi = T.alloc_local([1], "int32")
+                r0 = bx * block_q
+                lo[0] = cols
+                hi[0] = 0
+                for i in T.serial(block_q):
+                    lo[0] = T.min(lo[0], Starts[r0 + i])
+                    hi[0] = T.max(hi[0], Ends[r0 + i])
+                T.copy(Q[r0 * heads, 0], q_s)
+                T.copy(W[r0, 0], w_f)
+                for nb in T.Pipelined(T.ceildiv(hi[0] - lo[0], block_n), num_stages=num_stages):
+                    T.copy(K[lo[0] + nb * block_n, 0], k_s)
+                    T.gemm(k_s, q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                    for i, j, h in T.Parallel(block_n, block_q, heads):
+                        s3[i, j, h] = T.max(s3[i, j, h], 0) * w_f[j, h]
+                    T.reduce_sum(s3, acc, dim=-1, clear=True)
+                    for j, i in T.Parallel(block_q, block_n):
+                        c = lo[0] + nb * block_n + i
+                        if c < hi[0]:
+                            Out[r0 + j, c] = T.if_then_else(
+                                c >= Starts[r0 + j],
+                                T.if_then_else(c < Ends[r0 + j], acc[i, j], -T.infinity("float32")),
+                                -T.infinity("float32"),
+                            )
+
+        return pool_scores
+
+    return build(), block_q
+
+
+def tilelang_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Scores of every query row against its pool range.
+
+    Args:
+        q: ``[R, H, D]`` bfloat16 (CUDA); weights: ``[R, H]`` float32, already scaled by
+            ``H^-0.5 * D^-0.5``; keys: ``[N, D]`` bfloat16 pooled keys;
+            starts, ends: ``[R]`` int32, each row's visible columns ``[start, end)``.
+
+    Returns:
+        ``[R, N]`` float32 scores, ``-inf`` outside each row's range.
+    """
+    R, H, D = q.shape
+    bn, st, th = config or default_config(H, D)
+    kern, block_q = _kernel(H, D, bn, st, th)
+    Rp = -(-R // block_q) * block_q
+    if Rp != R:  # whole row groups: pad with empty ranges
+        pad = Rp - R
+        q = torch.cat([q, q.new_zeros((pad, H, D))])
+        weights = torch.cat([weights, weights.new_zeros((pad, H))])
+        starts = torch.cat([starts, starts.new_zeros(pad)])
+        ends = torch.cat([ends, ends.new_zeros(pad)])
+    out = torch.full((Rp, keys.shape[0]), -float("inf"), dtype=torch.float32, device=q.device)
+    kern(q.reshape(Rp * H, D).contiguous(), keys.contiguous(), weights.contiguous(), starts.contiguous(), ends.contiguous(), out)
+    return out[:R]
