@@ -8,13 +8,22 @@ import zlib
 import torch
 
 from .backends import Problem, resolve_backend
-from .backends.base import default_max_logits_bytes
-from .comm import agree_or_raise, all_gather_rows
+from .backends.base import Backend, chunk_rows, default_max_logits_bytes, run_chunked
+from .balance import balanced_select, causal_partition, contiguous_partition, row_work_prefix
+from .comm import CommStats, StageTimer, agree_or_raise, all_gather_rows
+from .pooling import pool_table
 from .precision import PRECISIONS, resolve_precision
+from .seams import gather_pools, pool_shards
 from .selection import ORDERS, TAILS
 from .sharding import ShardedSequence
 
-__all__ = ["kpool_topk"]
+__all__ = ["kpool_topk", "GATHERS", "BALANCES"]
+
+#: ``gather=``: all-gather keys and gates, then pool (``keys``), or pool per shard with a
+#: seam exchange, then all-gather the pooled keys (``pools``).
+GATHERS = ("keys", "pools")
+#: ``balance=``: keep the contiguous split (``none``) or balance the causal work (``causal``).
+BALANCES = ("none", "causal")
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -37,7 +46,10 @@ def _check_tensor(name: str, x, shape: tuple, device: torch.device | None = None
         raise ValueError(f"{name}: expected device {device} (the device of q), got {x.device}")
 
 
-def _validate(q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision):
+def _validate(
+    q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision,
+    gather, balance, balance_block, stats,
+):  # fmt: skip
     """Local checks, in argument order; raises on the first problem found."""
     if not isinstance(seq, ShardedSequence):
         raise TypeError(f"seq: expected a ShardedSequence, got {type(seq).__name__}")
@@ -52,6 +64,14 @@ def _validate(q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, ali
     if order not in ORDERS:
         raise ValueError(f"order: expected one of {list(ORDERS)}, got {order!r}")
     resolve_precision(precision)
+    if gather not in GATHERS:
+        raise ValueError(f"gather: expected one of {list(GATHERS)}, got {gather!r}")
+    if balance not in BALANCES:
+        raise ValueError(f"balance: expected one of {list(BALANCES)}, got {balance!r}")
+    if balance_block is not None:
+        _check_int("balance_block", balance_block, 1)
+    if stats is not None and not isinstance(stats, dict):
+        raise TypeError(f"stats: expected a dict or None, got {type(stats).__name__}")
     _check_tensor("q", q, (None, None, None))
     S, H, D = q.shape
     if S != seq.shard_size:
@@ -67,7 +87,7 @@ def _validate(q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, ali
     _check_tensor("ape", ape, (kpool, D), dev)
 
 
-def _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision):
+def _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision, gather, balance, balance_block):
     """Integers that must agree on every rank (checked by one small all-gather)."""
     cu = seq.cu_seq_lens.numpy().tobytes()
     return [
@@ -84,7 +104,33 @@ def _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, pr
         ("alignment", alignment if isinstance(alignment, int) else -1),
         ("max_logits_bytes", max_logits_bytes if isinstance(max_logits_bytes, int) else -1),
         ("precision", PRECISIONS.index(precision) if precision in PRECISIONS else -1),
+        ("gather", GATHERS.index(gather) if gather in GATHERS else -1),
+        ("balance", BALANCES.index(balance) if balance in BALANCES else -1),
+        ("balance_block", balance_block if isinstance(balance_block, int) else -1),
     ]
+
+
+class _ScoreTimed:
+    """A backend seen through a stopwatch: ``score`` calls are timed (synchronized), all
+    else is delegated. Same calls, same bits; used only when ``stats`` is asked for."""
+
+    def __init__(self, inner: Backend, timer: StageTimer) -> None:
+        self._inner, self._timer, self.seconds = inner, timer, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def score(self, *args, **kwargs):
+        self._timer._sync()
+        t0 = self._timer._clock()
+        out = self._inner.score(*args, **kwargs)
+        self._timer._sync()
+        self.seconds += self._timer._clock() - t0
+        return out
+
+
+def _uses_shared_driver(backend: Backend) -> bool:
+    return type(backend).run is Backend.run
 
 
 @torch.no_grad()
@@ -104,6 +150,10 @@ def kpool_topk(
     alignment: int = 1,
     max_logits_bytes: int | None = None,
     precision: str | None = None,
+    gather: str = "keys",
+    balance: str = "none",
+    balance_block: int | None = None,
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """Select pools of keys for every local query row; return global token ids.
 
@@ -142,6 +192,25 @@ def kpool_topk(
             parity, SPEC 6); default ``$SP_KPOOL_PRECISION`` read once, else ``"bf16"``.
             See :mod:`sp_kpool.precision`. The inputs are used as given: the serving modes
             expect keys and head weights prepared in FP32 (``KPoolIndexer`` does this).
+        gather: ``"keys"`` (default): all-gather ``k`` and ``gates`` (``2 * S * D`` values),
+            every rank pools everything. ``"pools"``: every rank pools the pools starting
+            in its shard (after receiving from the right the at most ``K - 1`` keys and
+            gates that complete a pool straddling the seam), then the pooled keys are
+            all-gathered (BF16, or FP8 values and scales): about ``1 / (2K)`` of the bytes.
+            Pools, hence outputs, are bitwise identical (:mod:`sp_kpool.seams`).
+        balance: ``"none"`` (default) or ``"causal"``: query rows are re-cut so that every
+            rank scores about the same causal work (visible pools per row, plus a per-row
+            constant); queries and head weights move to the computing rank, the selected
+            pools come back, the owner expands. Declined (same decision on every rank) when
+            it would not lower the maximum work. Outputs are bitwise identical
+            (:mod:`sp_kpool.balance`).
+        balance_block: boundaries of the balanced split are multiples of this many rows
+            (default: the scoring chunk of the backend, so no chunk is scored twice).
+        stats: if a dict, it is filled with this rank's instrumented communication bytes
+            (``bytes``: ``sent``, ``received``, ``by_tag``), per-stage wall seconds
+            (``time_s``; the device is synchronized between stages, so the call is slower),
+            the partition (``partition``) and the rows this rank scored. Never compared
+            across ranks; only this rank's view.
 
     Raises ``ValueError``/``TypeError`` naming the argument, the expected and the actual
     value; with several ranks every rank raises the same error, before any data moves.
@@ -150,22 +219,86 @@ def kpool_topk(
         max_logits_bytes = default_max_logits_bytes()
     if precision is None:
         precision = resolve_precision(None)
-    args = (q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision)
-    error = problem = chosen = None
+    options = (topk, kpool, tail, order, alignment, max_logits_bytes, precision, gather, balance, balance_block)
+    error = problem = chosen = part = None
     try:
-        _validate(*args)
+        _validate(q, k, gates, head_weights, ape, seq, *options, stats)
         problem = Problem(
             q=q, head_weights=head_weights, k=k, gates=gates, ape=ape, seq=seq, topk=topk, kpool=kpool,
             tail=tail, order=order, alignment=alignment, max_logits_bytes=max_logits_bytes, precision=precision,
         )  # fmt: skip
         chosen = resolve_backend(backend, problem)
+        tables = pool_table(seq.real_cu_seq_lens, kpool)
+        if balance == "causal" and seq.world_size > 1:
+            block = balance_block
+            if block is None:  # global quantities only: the same on every rank
+                block = chunk_rows(problem, tables[0].numel(), chosen.score_bytes_per_cell(problem))
+            part = causal_partition(
+                seq.real_cu_seq_lens, kpool=kpool, world_size=seq.world_size, shard_size=seq.shard_size, block=block
+            )
     except (TypeError, ValueError) as exc:
         if not isinstance(seq, ShardedSequence) or seq.world_size == 1:
             raise
         error = f"{type(exc).__name__}: {exc}"
-    agree_or_raise(seq, error, _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision))
+    counter = CommStats() if stats is not None else None
+    agree_or_raise(seq, error, _signature(q, seq, *options), stats=counter)
+    timer = StageTimer(problem.device) if stats is not None else None
+    driver = chosen if timer is None else _ScoreTimed(chosen, timer)
 
-    k_all = all_gather_rows(k, seq)
-    gates_all = all_gather_rows(gates, seq)
-    problem = dataclasses.replace(problem, k=k_all, gates=gates_all)
-    return chosen.run(problem)
+    pts = tables[0]
+    if gather == "keys":
+        k_all = all_gather_rows(k, seq, stats=counter, tag="gather_keys")
+        gates_all = all_gather_rows(gates, seq, stats=counter, tag="gather_keys")
+        problem = dataclasses.replace(problem, k=k_all, gates=gates_all)
+        if timer is not None:
+            timer.mark("gather")
+        pooled = chosen.pool(problem, pts.to(problem.device)) if pts.numel() else None
+        if timer is not None:
+            timer.mark("pool")
+    else:
+        # problem.k / gates stay this rank's shards: with pooled given, nothing reads them.
+        pooled = gather_pools(chosen, problem, pts, stats=counter, timer=timer)
+
+    applied = part is not None and part.applied
+    staged = applied or (timer is not None and _uses_shared_driver(chosen))
+    if staged:
+        if part is None:  # the contiguous split, staged for timing
+            part = contiguous_partition(
+                seq.real_cu_seq_lens, kpool=kpool, world_size=seq.world_size, shard_size=seq.shard_size
+            )
+        out = balanced_select(driver, problem, pooled, tables, part, stats=counter, timer=timer)
+    else:
+        out = chosen.run(problem, pooled)
+        if timer is not None:
+            timer.mark("select")
+    if stats is not None:
+        _fill_stats(stats, seq, kpool, gather, balance, applied, part, pts, counter, timer, driver if staged else None)
+    return out
+
+
+def _fill_stats(stats, seq, kpool, gather, balance, applied, part, pts, counter, timer, driver) -> None:
+    times = dict(timer.seconds)
+    if driver is not None and "select" in times:  # the staged driver: split score off select
+        times["score"] = driver.seconds
+        times["select"] -= driver.seconds
+    n = seq.num_real_tokens
+    if part is not None:
+        lo, hi = part.bounds[seq.rank], part.bounds[seq.rank + 1]
+    else:
+        lo, hi = min(seq.shard_start, n), min(seq.shard_end, n)
+    pairs = row_work_prefix(seq.real_cu_seq_lens, kpool, row_cost=0)
+    stats.update(
+        gather=gather,
+        balance=balance,
+        balance_applied=applied,
+        bytes=counter.as_dict(),
+        time_s=times,
+        partition=part.as_dict() if balance == "causal" and seq.world_size > 1 else None,
+        rows_scored=(lo, hi),
+        causal_pairs=int(pairs[hi] - pairs[lo]),
+        pools=int(pts.numel()),
+        pools_built=(
+            pool_shards(pts, shard_size=seq.shard_size, world_size=seq.world_size, kpool=kpool).counts[seq.rank]
+            if gather == "pools" else int(pts.numel())
+        ),
+    )  # fmt: skip

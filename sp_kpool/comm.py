@@ -3,6 +3,13 @@
 Only two things cross ranks in the gather-keys path: the keys and gates (all-gathered
 before pooling, because a pool may straddle a shard seam) and a tiny validation vector
 (so that bad input fails on every rank alike, before any data collective, never hangs).
+The gather-pools path (:mod:`sp_kpool.seams`) and the causal balance
+(:mod:`sp_kpool.balance`) add point-to-point row exchanges (:func:`exchange_rows`) and an
+all-gather of unequal row counts (:func:`all_gather_uneven_rows`).
+
+Every collective here takes an optional :class:`CommStats` and adds to it the bytes this
+rank actually handed to and received from the other ranks, under a tag: counted from the
+tensors the collective moves (padding included), not estimated.
 
 Shards are equal by construction (``ShardedSequence`` pads), so the even, concatenated
 (dim-0) all-gather works on gloo and NCCL alike. The process group is always passed in
@@ -18,7 +25,53 @@ import torch
 
 from .sharding import ShardedSequence
 
-__all__ = ["comm_device", "all_gather_rows", "agree_or_raise"]
+__all__ = [
+    "CommStats",
+    "StageTimer",
+    "comm_device",
+    "all_gather_rows",
+    "all_gather_uneven_rows",
+    "exchange_rows",
+    "pack_rows",
+    "unpack_rows",
+    "agree_or_raise",
+]
+
+
+class CommStats:
+    """Bytes this rank sent to and received from other ranks, per tag, and the calls.
+
+    Updated by the collectives of this module. For an all-gather of ``R`` chunks of ``b``
+    bytes a rank sends its chunk to ``R - 1`` ranks and receives ``R - 1`` chunks:
+    ``sent = received = (R - 1) * b`` (also what a ring all-gather puts on each link).
+    For point-to-point exchanges, the bytes of the tensors sent and received. Data that a
+    rank keeps for itself is never counted.
+    """
+
+    def __init__(self) -> None:
+        self.by_tag: dict[str, dict[str, int]] = {}
+
+    def add(self, tag: str, sent: int, received: int) -> None:
+        entry = self.by_tag.setdefault(tag, {"sent": 0, "received": 0, "calls": 0})
+        entry["sent"] += int(sent)
+        entry["received"] += int(received)
+        entry["calls"] += 1
+
+    @property
+    def sent(self) -> int:
+        return sum(e["sent"] for e in self.by_tag.values())
+
+    @property
+    def received(self) -> int:
+        return sum(e["received"] for e in self.by_tag.values())
+
+    def as_dict(self) -> dict:
+        """``{"sent": int, "received": int, "by_tag": {tag: {"sent", "received", "calls"}}}``."""
+        return {
+            "sent": self.sent,
+            "received": self.received,
+            "by_tag": {t: dict(e) for t, e in self.by_tag.items()},
+        }
 
 
 @functools.lru_cache(maxsize=1)
@@ -40,7 +93,42 @@ def comm_device(seq: ShardedSequence) -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_rows(x: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
+class StageTimer:
+    """Wall seconds per stage of one call: ``mark(stage)`` closes the stage begun at the
+    previous mark (or at construction). On CUDA it synchronizes the device at each mark,
+    so only use it when timings are asked for."""
+
+    def __init__(self, device: torch.device) -> None:
+        import time
+
+        self._clock = time.perf_counter
+        self._cuda = torch.device(device).type == "cuda"
+        self.seconds: dict[str, float] = {}
+        self._sync()
+        self._t = self._clock()
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+
+    def mark(self, stage: str) -> None:
+        self._sync()
+        now = self._clock()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + (now - self._t)
+        self._t = now
+
+    def add(self, stage: str, seconds: float) -> None:
+        """Move ``seconds`` already counted elsewhere into ``stage`` (see the score split)."""
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def all_gather_rows(
+    x: torch.Tensor, seq: ShardedSequence, *, stats: CommStats | None = None, tag: str = "all_gather"
+) -> torch.Tensor:
     """All-gather equal row shards: ``x_shard [S / R, *F]`` -> ``x [S, *F]`` (rank order).
 
     With world size 1 the input is returned as is. The result is on ``x.device``.
@@ -51,11 +139,137 @@ def all_gather_rows(x: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
     src = x.contiguous().to(dev)
     out = torch.empty((seq.world_size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=dev)
     _gather_into_tensor()(out, src, group=seq.group)
+    if stats is not None:
+        moved = (seq.world_size - 1) * _nbytes(src)
+        stats.add(tag, moved, moved)
     return out.to(x.device)
 
 
+def all_gather_uneven_rows(
+    x: torch.Tensor,
+    counts: Sequence[int],
+    seq: ShardedSequence,
+    *,
+    stats: CommStats | None = None,
+    tag: str = "all_gather_uneven",
+) -> torch.Tensor:
+    """All-gather row blocks of known, unequal sizes: ``x [counts[rank], *F]`` ->
+    ``[sum(counts), *F]`` in rank order.
+
+    ``counts`` (one per rank) must be known on every rank (no size exchange happens here).
+    Portable on gloo and NCCL: pad every block to ``max(counts)`` rows, one even
+    all-gather, slice. The padding is moved (and counted). With world size 1, ``x``.
+    """
+    if len(counts) != seq.world_size or int(counts[seq.rank]) != x.shape[0]:
+        raise ValueError(
+            f"counts: expected {seq.world_size} entries with counts[{seq.rank}] = {x.shape[0]} "
+            f"(rows of x), got {list(counts)}"
+        )
+    if seq.world_size == 1:
+        return x
+    width = max(int(c) for c in counts)
+    if width == 0:
+        return x.new_empty((0, *x.shape[1:]))
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    full = all_gather_rows(padded, seq, stats=stats, tag=tag)
+    return torch.cat([full[r * width : r * width + int(c)] for r, c in enumerate(counts)])
+
+
+def exchange_rows(
+    sends: dict[int, torch.Tensor],
+    recvs: dict[int, tuple[int, ...]],
+    seq: ShardedSequence,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    stats: CommStats | None = None,
+    tag: str = "exchange",
+) -> dict[int, torch.Tensor]:
+    """Point-to-point exchange in one ``batch_isend_irecv``: returns ``{peer: tensor}``.
+
+    ``sends``: ``{peer: tensor}`` to send (peers are ranks of ``seq.group``, never this
+    rank; empty tensors are skipped); ``recvs``: ``{peer: shape}`` to receive, of
+    ``dtype``, returned on ``device``. Both sides must agree on every shape (callers derive
+    them from the same global layout). Ranks without any transfer do not call anything.
+    """
+    import torch.distributed as dist
+
+    out: dict[int, torch.Tensor] = {}
+    ops = []
+    dev = comm_device(seq) if seq.world_size > 1 else device
+
+    def global_rank(peer: int) -> int:
+        return peer if seq.group is None else dist.get_global_rank(seq.group, peer)
+
+    sent = received = 0
+    for peer, shape in sorted(recvs.items()):
+        if peer == seq.rank:
+            raise ValueError(f"recvs: a rank cannot receive from itself (rank {peer})")
+        buf = torch.empty(shape, dtype=dtype, device=dev)
+        out[peer] = buf
+        if buf.numel():
+            ops.append(dist.P2POp(dist.irecv, buf, global_rank(peer), seq.group))
+            received += _nbytes(buf)
+    for peer, x in sorted(sends.items()):
+        if peer == seq.rank:
+            raise ValueError(f"sends: a rank cannot send to itself (rank {peer})")
+        if x.numel():
+            src = x.contiguous().to(dev)
+            ops.append(dist.P2POp(dist.isend, src, global_rank(peer), seq.group))
+            sent += _nbytes(src)
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if stats is not None and (sent or received):
+        stats.add(tag, sent, received)
+    return {peer: buf.to(device) for peer, buf in out.items()}
+
+
+def pack_rows(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.dtype, tuple[int, ...]]]]:
+    """Concatenate tensors with the same leading dim ``n`` into one ``uint8 [n, B]`` buffer.
+
+    Each row holds the bytes of that row of every tensor, in order, so a row range of the
+    buffer is the same row range of every tensor (any dtype: FP8 included, which gloo
+    cannot reduce but can move as bytes). Returns the buffer and the layout for
+    :func:`unpack_rows`.
+    """
+    n = tensors[0].shape[0]
+    parts, layout = [], []
+    for t in tensors:
+        if t.shape[0] != n:
+            raise ValueError(f"pack_rows: expected leading dim {n} for every tensor, got {t.shape[0]}")
+        layout.append((t.dtype, tuple(t.shape[1:])))
+        per_row = torch.Size(t.shape[1:]).numel()
+        parts.append(t.contiguous().reshape(n, per_row).view(torch.uint8))
+    return torch.cat(parts, dim=1), layout
+
+
+def unpack_rows(buf: torch.Tensor, layout: list[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_rows` for ``buf [m, B]`` (any row count ``m``)."""
+    out, col = [], 0
+    m = buf.shape[0]
+    for dtype, tail in layout:
+        per_row = torch.Size(tail).numel() * torch.empty((), dtype=dtype).element_size()
+        if m == 0:
+            out.append(torch.empty((0, *tail), dtype=dtype, device=buf.device))
+        else:
+            chunk = buf[:, col : col + per_row].contiguous()
+            if chunk.storage_offset() % torch.empty((), dtype=dtype).element_size():
+                chunk = chunk.clone()  # a view as a wider dtype needs an aligned start
+            out.append(chunk.view(dtype).reshape(m, *tail))
+        col += per_row
+    if col != buf.shape[1]:
+        raise ValueError(f"unpack_rows: layout covers {col} bytes per row, buffer has {buf.shape[1]}")
+    return out
+
+
 def agree_or_raise(
-    seq: ShardedSequence, local_error: str | None, signature: Sequence[tuple[str, int]]
+    seq: ShardedSequence,
+    local_error: str | None,
+    signature: Sequence[tuple[str, int]],
+    *,
+    stats: CommStats | None = None,
 ) -> None:
     """Fail on every rank alike if any rank saw bad input or ranks disagree.
 
@@ -73,7 +287,7 @@ def agree_or_raise(
 
     dev = comm_device(seq)
     vec = torch.tensor([1 if local_error else 0] + [int(v) for _, v in signature], dtype=torch.int64, device=dev)
-    allv = all_gather_rows(vec[None], seq).cpu()  # [world, 1 + n]
+    allv = all_gather_rows(vec[None], seq, stats=stats, tag="validate").cpu()  # [world, 1 + n]
     failed = [r for r in range(seq.world_size) if int(allv[r, 0])]
     if failed:
         texts: list = [None] * seq.world_size

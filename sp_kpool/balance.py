@@ -1,0 +1,332 @@
+"""Causal load balance: which rank scores which query rows (``balance="causal"``).
+
+With contiguous equal shards, the rows late in a long document see the most pools, so the
+last rank of a causal sequence does most of the scoring. Here the *compute* ranges of the
+query rows are re-cut so that every rank gets about the same causal work, while every
+rank still *owns* (receives inputs for, and returns output for) its contiguous shard::
+
+    one document, 4 ranks, work of row t ~ t / K
+
+    owned (shards)     [ 0      | 1      | 2      | 3      ]
+    computed           [ 0               | 1   | 2  | 3 ]      (equal areas under t / K)
+    moved              queries + head weights: owner -> computer (point to point)
+                       selected pool ids:      computer -> owner (point to point)
+    owner              expands the pools, adds the tail, lays out its own rows
+
+Work of a row (SPEC 4): its number of visible pools ``(j + 1) // K`` (zero in the padding
+document), plus :data:`ROW_COST`, counted per document. Compute boundaries are multiples
+of ``block`` (by default the scoring chunk of the backend, so no chunk of the global grid is
+scored by two ranks) except the last, which is the number of real rows.
+
+The partition is a pure function of global quantities (``cu_seq_lens``, ``kpool``, world
+size, shard size, block), so every rank computes the same partition and the same decision
+without communicating. It is declined (the contiguous split is kept, nothing moves) when it
+would not lower the maximum work of a rank.
+
+Bitwise equality: the scoring driver (:func:`sp_kpool.backends.base.select_rows`) scores
+on a global chunk grid, so a row's selection does not depend on which rank computes it;
+the owner expands and lays out exactly as the unbalanced path does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .comm import CommStats, exchange_rows, pack_rows, unpack_rows
+from .selection import assemble, output_width, row_meta
+
+__all__ = [
+    "ROW_COST",
+    "CausalPartition",
+    "causal_partition",
+    "contiguous_partition",
+    "row_work_prefix",
+    "balanced_select",
+]
+
+#: Per-row constant of the work model, in units of one (row, pool) score: a row's own
+#: handling (query preparation, its Top-K output) that does not grow with its history.
+ROW_COST = 1
+
+
+@dataclass(frozen=True)
+class CausalPartition:
+    """Compute ranges of the real query rows, one per rank, and the work they carry.
+
+    bounds: ``R + 1`` global row ids, ``bounds[r] .. bounds[r + 1]`` scored by rank ``r``
+        (``bounds[0] = 0``, ``bounds[R] = N`` real rows; empty ranges allowed).
+    work: causal work of each compute range. contiguous_work: the same for the plain
+        (owned) split. total: work of all rows. block: alignment of the boundaries.
+    max_block_work: work of the heaviest aligned block (the bound on the imbalance).
+    applied: ``False`` when declined; ``bounds``/``work`` are then the contiguous split.
+    """
+
+    bounds: tuple[int, ...]
+    work: tuple[int, ...]
+    contiguous_work: tuple[int, ...]
+    total: int
+    block: int
+    max_block_work: int
+    applied: bool
+
+    @property
+    def mean_work(self) -> float:
+        return self.total / len(self.work)
+
+    def imbalance(self, contiguous: bool = False) -> float:
+        """Max over mean work of the compute ranges (of the contiguous split if asked)."""
+        work = self.contiguous_work if contiguous else self.work
+        return max(work) / self.mean_work if self.total else 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "applied": self.applied,
+            "bounds": list(self.bounds),
+            "work": list(self.work),
+            "contiguous_work": list(self.contiguous_work),
+            "total": self.total,
+            "block": self.block,
+            "max_block_work": self.max_block_work,
+            "imbalance": self.imbalance(),
+            "contiguous_imbalance": self.imbalance(contiguous=True),
+        }
+
+
+def row_work_prefix(real_cu_seq_lens: torch.Tensor, kpool: int, row_cost: int = ROW_COST) -> torch.Tensor:
+    """``W [N + 1]`` int64: ``W[b]`` is the work of rows ``[0, b)`` of the real rows.
+
+    Work of the row at document-local position ``j``: ``(j + 1) // kpool + row_cost``.
+    """
+    cu = real_cu_seq_lens.to(torch.int64)
+    n = int(cu[-1])
+    rows = torch.arange(n, dtype=torch.int64)
+    doc = torch.searchsorted(cu, rows, right=True) - 1
+    per_row = (rows - cu[doc] + 1) // kpool + row_cost
+    prefix = torch.zeros(n + 1, dtype=torch.int64)
+    torch.cumsum(per_row, 0, out=prefix[1:])
+    return prefix
+
+
+@functools.lru_cache(maxsize=4)
+def _prefix_cached(cu: tuple[int, ...], kpool: int, row_cost: int) -> torch.Tensor:
+    return row_work_prefix(torch.tensor(cu, dtype=torch.int64), kpool, row_cost)
+
+
+def _works(prefix: torch.Tensor, bounds) -> tuple[int, ...]:
+    return tuple(int(prefix[b]) - int(prefix[a]) for a, b in zip(bounds, bounds[1:]))
+
+
+def _contiguous_bounds(n: int, world_size: int, shard_size: int) -> tuple[int, ...]:
+    return tuple(min(r * shard_size, n) for r in range(world_size)) + (n,)
+
+
+@functools.lru_cache(maxsize=64)
+def _partition_cached(
+    cu: tuple[int, ...], kpool: int, world_size: int, shard_size: int, block: int, row_cost: int
+) -> CausalPartition:
+    prefix = _prefix_cached(cu, kpool, row_cost)
+    n = prefix.numel() - 1
+    total = int(prefix[-1])
+    R = world_size
+    contiguous = _contiguous_bounds(n, R, shard_size)
+    cands = torch.arange(0, n, block, dtype=torch.int64)
+    cands = torch.cat([cands, torch.tensor([n])])  # aligned boundaries, then the end
+    wc = prefix[cands]
+    block_work = int((wc[1:] - wc[:-1]).max()) if cands.numel() > 1 else 0
+    # Boundary r: the aligned boundary whose prefix work is nearest r * total / R (exact
+    # integer comparison of R * W against r * total; ties to the lower row).
+    scaled = wc * R
+    bounds = [0]
+    for r in range(1, R):
+        target = r * total
+        i = int(torch.searchsorted(scaled, torch.tensor([target]))[0])
+        best = min(
+            (c for c in (i - 1, i) if 0 <= c < cands.numel()),
+            key=lambda c: (abs(int(scaled[c]) - target), c),
+        )
+        bounds.append(max(bounds[-1], int(cands[best])))
+    bounds.append(n)
+    balanced, plain = _works(prefix, bounds), _works(prefix, contiguous)
+    applied = R > 1 and max(balanced) < max(plain)
+    return CausalPartition(
+        bounds=tuple(bounds) if applied else contiguous,
+        work=balanced if applied else plain,
+        contiguous_work=plain,
+        total=total,
+        block=block,
+        max_block_work=block_work,
+        applied=applied,
+    )
+
+
+def _check_args(cu_seq_lens, **ints) -> tuple[int, ...]:
+    for name, (v, lo) in ints.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    cu = tuple(int(v) for v in torch.as_tensor(cu_seq_lens).tolist())
+    world_size, shard_size = ints["world_size"][0], ints["shard_size"][0]
+    if cu[-1] > world_size * shard_size:
+        raise ValueError(f"shard_size: {world_size} shards of {shard_size} rows cannot hold {cu[-1]} real rows")
+    return cu
+
+
+def contiguous_partition(
+    real_cu_seq_lens: torch.Tensor, *, kpool: int, world_size: int, shard_size: int, row_cost: int = ROW_COST
+) -> CausalPartition:
+    """The plain split (compute range = owned range) as a not-applied partition."""
+    cu = _check_args(real_cu_seq_lens, kpool=(kpool, 1), world_size=(world_size, 1),
+                     shard_size=(shard_size, 1), row_cost=(row_cost, 0))  # fmt: skip
+    prefix = _prefix_cached(cu, kpool, row_cost)
+    n = prefix.numel() - 1
+    bounds = _contiguous_bounds(n, world_size, shard_size)
+    work = _works(prefix, bounds)
+    return CausalPartition(
+        bounds=bounds, work=work, contiguous_work=work, total=int(prefix[-1]), block=shard_size,
+        max_block_work=max(work), applied=False,
+    )  # fmt: skip
+
+
+def causal_partition(
+    real_cu_seq_lens: torch.Tensor,
+    *,
+    kpool: int,
+    world_size: int,
+    shard_size: int,
+    block: int,
+    row_cost: int = ROW_COST,
+) -> CausalPartition:
+    """Balance the causal work of the real rows over ``world_size`` ranks (pure).
+
+    Args:
+        real_cu_seq_lens: ``[num_docs + 1]`` int, real documents only (no padding).
+        kpool: pool size ``K``.
+        world_size, shard_size: the contiguous split being balanced (rank ``r`` owns rows
+            ``[r * shard_size, (r + 1) * shard_size)``).
+        block: boundaries are multiples of it (except the last, the number of real rows).
+        row_cost: the per-row constant of the work model.
+
+    Every boundary is the aligned row whose prefix work is nearest its ideal
+    ``r * total / R``, so each range's work is within ``max_block_work`` of the ideal
+    ``total / R``. Declined (``applied=False``) when it does not lower the maximum work.
+    Cached on its arguments: calling it once per layer costs a dictionary lookup.
+    """
+    cu = _check_args(real_cu_seq_lens, kpool=(kpool, 1), world_size=(world_size, 1),
+                     shard_size=(shard_size, 1), block=(block, 1), row_cost=(row_cost, 0))  # fmt: skip
+    return _partition_cached(cu, kpool, world_size, shard_size, block, row_cost)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, max(lo, hi))
+
+
+def balanced_select(
+    backend: Any,
+    problem: Any,
+    pooled: Any,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    part: CausalPartition,
+    *,
+    stats: CommStats | None = None,
+    timer: Any = None,
+) -> torch.Tensor:
+    """This rank's output ``[S_local, W]`` int32 under the compute ranges of ``part``.
+
+    1. Queries and raw head weights move from the owning rank to the computing rank (one
+       ``batch_isend_irecv``; each row moves once, directly, possibly several ranks away).
+    2. The computing rank selects pools for its range with ``select_rows``.
+    3. The selected pool ids (int32) move back to the owner (one ``batch_isend_irecv``).
+    4. The owner expands, adds the tail and lays out its own rows (``assemble``).
+
+    ``timer`` (optional) gets ``mark(stage)`` calls: ``balance_exchange``, ``select``,
+    ``balance_route``, ``expand``.
+    """
+    from .backends.base import select_rows
+
+    seq, kpool, device = problem.seq, problem.kpool, problem.device
+    R, me, ss = seq.world_size, seq.rank, seq.shard_size
+    n_real = seq.num_real_tokens
+    own = [(min(r * ss, n_real), min((r + 1) * ss, n_real)) for r in range(R)]
+    comp = [(part.bounds[r], part.bounds[r + 1]) for r in range(R)]
+    H, D = problem.heads, problem.head_dim
+    q, w = problem.q, problem.head_weights
+    o_lo = own[me][0]
+
+    # 1. queries and head weights: owner -> computer, packed as bytes (one message a pair)
+    _, layout = pack_rows([q[:0], w[:0]])
+    row_bytes = H * D * q.element_size() + H * w.element_size()
+    sends, recvs = {}, {}
+    for peer in range(R):
+        if peer == me:
+            continue
+        a, b = _overlap(own[me], comp[peer])
+        if b > a:
+            sends[peer] = pack_rows([q[a - o_lo : b - o_lo], w[a - o_lo : b - o_lo]])[0]
+        a, b = _overlap(own[peer], comp[me])
+        if b > a:
+            recvs[peer] = (b - a, row_bytes)
+    got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="balance_queries")
+    c_lo, c_hi = comp[me]
+    q_parts, w_parts = [], []
+    for peer in range(R):  # owners in rank order = global row order
+        a, b = _overlap(own[peer], comp[me])
+        if b <= a:
+            continue
+        if peer == me:
+            q_parts.append(q[a - o_lo : b - o_lo])
+            w_parts.append(w[a - o_lo : b - o_lo])
+        else:
+            qp, wp = unpack_rows(got[peer], layout)
+            q_parts.append(qp)
+            w_parts.append(wp)
+    q_comp = torch.cat(q_parts) if q_parts else q.new_empty((0, H, D))
+    w_comp = torch.cat(w_parts) if w_parts else w.new_empty((0, H))
+    if timer is not None:
+        timer.mark("balance_exchange")
+
+    # 2. select on the compute range
+    pools = select_rows(backend, problem, pooled, tables, c_lo, c_hi, q_comp, w_comp)
+    if timer is not None:
+        timer.mark("select")
+
+    # 3. selected pool ids: computer -> owner
+    if tables[0].numel() >= 2**31:
+        raise ValueError(f"balance: at most 2**31 - 1 pools supported, got {tables[0].numel()}")
+    k_sel = problem.topk // kpool
+    sends, recvs = {}, {}
+    for peer in range(R):
+        if peer == me:
+            continue
+        a, b = _overlap(comp[me], own[peer])
+        if b > a:
+            sends[peer] = pools[a - c_lo : b - c_lo].to(torch.int32)
+        a, b = _overlap(comp[peer], own[me])
+        if b > a:
+            recvs[peer] = (b - a, k_sel)
+    got = exchange_rows(sends, recvs, seq, dtype=torch.int32, device=device, stats=stats, tag="balance_pools")
+    mine = []
+    for peer in range(R):  # computers in rank order = global row order
+        a, b = _overlap(comp[peer], own[me])
+        if b <= a:
+            continue
+        mine.append(pools[a - c_lo : b - c_lo] if peer == me else got[peer].to(torch.int64))
+    if timer is not None:
+        timer.mark("balance_route")
+
+    # 4. the owner expands and lays out its rows
+    width = output_width(problem.topk, kpool, problem.alignment)
+    out = torch.full((ss, width), -1, dtype=torch.int32, device=device)
+    a, b = own[me]
+    if b > a:
+        meta = row_meta(torch.arange(a, b, device=device), seq.real_cu_seq_lens, tables[1], kpool)
+        out[: b - a] = assemble(
+            torch.cat(mine), meta, tables[0].to(device), topk=problem.topk, kpool=kpool,
+            tail=problem.tail, order=problem.order, alignment=problem.alignment,
+        )  # fmt: skip
+    if timer is not None:
+        timer.mark("expand")
+    return out

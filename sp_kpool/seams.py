@@ -1,0 +1,153 @@
+"""Pool, then gather (``gather="pools"``): each rank pools the pools that start in its shard.
+
+The gather-keys path all-gathers ``k`` and ``gates`` (``2 * S * D`` values) and every rank
+pools the whole sequence. Here every rank pools only the pools whose first token lies in
+its shard; a pool that straddles the seam to the right needs at most ``K - 1`` more keys
+and gates, which come from the rank(s) to the right (point to point). Then the pooled keys
+(``P ~ S / K`` rows: BF16, or FP8 values plus FP32 scales) are all-gathered::
+
+    K = 4, shard_size = 6, one document of 14 tokens (padded to 18)
+    token      0 1 2 3 4 5 | 6 7 8 9 10 11 | 12 13 (pad)
+    pool       0 0 0 0 1 1 | 1 1 2 2  2  2 | -  -        (12, 13: partial, never built)
+    rank 0     builds pools 0, 1; receives k, gates of tokens 6, 7 from rank 1
+    rank 1     builds pool 2;  rank 2 builds none
+    all-gather of the pooled rows [2 | 1 | 0 pools] -> pools 0, 1, 2 on every rank
+
+Pools are bitwise identical to the gather-keys path: every pool is built by the same
+backend call from the same key and gate rows (pooling is independent per pool). Which
+pools a rank builds, and which seam rows it needs, are pure functions of the global
+``cu_seq_lens`` (:func:`pool_shards`), so no sizes are exchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .comm import CommStats, all_gather_uneven_rows, exchange_rows, pack_rows, unpack_rows
+
+__all__ = ["PoolShards", "pool_shards", "gather_pools"]
+
+
+@dataclass(frozen=True)
+class PoolShards:
+    """Which pools each rank builds, and the seam rows it needs (same on every rank).
+
+    first: ``R + 1`` pool ids; rank ``r`` builds pools ``[first[r], first[r + 1])`` (those
+        whose first token lies in its shard).
+    halo: per rank, the global token range ``[shard_end, need_end)`` beyond its shard that
+        its last pool needs (empty when no pool straddles its right seam; at most
+        ``K - 1`` tokens, possibly from several ranks when shards are shorter than that).
+    """
+
+    first: tuple[int, ...]
+    halo: tuple[tuple[int, int], ...]
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.first, self.first[1:]))
+
+
+def pool_shards(pool_tok_start: torch.Tensor, *, shard_size: int, world_size: int, kpool: int) -> PoolShards:
+    """Split the pool table ``[P]`` (int64, ascending first tokens) by shard."""
+    pts = pool_tok_start.cpu()
+    starts = torch.arange(world_size + 1, dtype=torch.int64) * shard_size
+    first = torch.searchsorted(pts, starts).tolist()
+    halo = []
+    for r in range(world_size):
+        end = (r + 1) * shard_size
+        need = end
+        if first[r + 1] > first[r]:
+            need = max(end, int(pts[first[r + 1] - 1]) + kpool)
+        halo.append((end, need))
+    return PoolShards(first=tuple(first), halo=tuple(halo))
+
+
+def _as_list(pooled: Any) -> tuple[list[torch.Tensor], bool]:
+    if isinstance(pooled, torch.Tensor):
+        return [pooled], False
+    return list(pooled), True
+
+
+def gather_pools(
+    backend: Any,
+    problem: Any,
+    pool_tok_start: torch.Tensor,
+    *,
+    stats: CommStats | None = None,
+    timer: Any = None,
+) -> Any:
+    """Pooled keys of all ``P`` pools, built per shard and all-gathered.
+
+    Args:
+        backend: the resolved backend (its ``pool`` builds the local pools).
+        problem: the call, with ``k``/``gates`` this rank's ``[S_local, D]`` shards.
+        pool_tok_start: ``[P]`` int64 (CPU), the global pool table.
+        stats: bytes counter (tags ``seam`` and ``gather_pools``).
+        timer: optional, gets ``mark("seam")``, ``mark("pool")``, ``mark("gather")``.
+
+    Returns what ``backend.pool`` returns for all ``P`` pools (a ``[P, D]`` tensor, or a
+    tuple such as FP8 ``(k8 [P, D], k_scale [P])``), on ``problem.device``, or ``None``
+    when there is no complete pool at all.
+    """
+    seq, kpool, device = problem.seq, problem.kpool, problem.device
+    if pool_tok_start.numel() == 0:
+        return None
+    R, me, ss = seq.world_size, seq.rank, seq.shard_size
+    shards = pool_shards(pool_tok_start, shard_size=ss, world_size=R, kpool=kpool)
+    lo = me * ss
+
+    # Seam rows: keys and gates this rank's last pool needs from the right.
+    k, gates = problem.k, problem.gates
+    _, layout = pack_rows([k[:0], gates[:0]])
+    row_bytes = k.shape[1] * k.element_size() + gates.shape[1] * gates.element_size()
+    sends, recvs = {}, {}
+    for peer in range(R):
+        if peer == me:
+            continue
+        a, b = max(lo, shards.halo[peer][0]), min(lo + ss, shards.halo[peer][1])
+        if b > a:
+            sends[peer] = pack_rows([k[a - lo : b - lo], gates[a - lo : b - lo]])[0]
+        a, b = max(peer * ss, shards.halo[me][0]), min((peer + 1) * ss, shards.halo[me][1])
+        if b > a:
+            recvs[peer] = (b - a, row_bytes)
+    got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="seam")
+    k_parts, g_parts = [k], [gates]
+    for peer in sorted(got):  # peers to the right, in token order
+        kp, gp = unpack_rows(got[peer], layout)
+        k_parts.append(kp)
+        g_parts.append(gp)
+    k_ext = torch.cat(k_parts) if len(k_parts) > 1 else k
+    g_ext = torch.cat(g_parts) if len(g_parts) > 1 else gates
+    if timer is not None:
+        timer.mark("seam")
+
+    # Local pools (positions relative to this shard).
+    a, b = shards.first[me], shards.first[me + 1]
+    if b > a:
+        local = (pool_tok_start[a:b] - lo).to(device)
+        pooled = backend.pool(dataclasses.replace(problem, k=k_ext, gates=g_ext), local)
+    else:
+        # No pool starts here: pool one zero pool for the representation, keep none of it.
+        zk = k.new_zeros((kpool, k.shape[1]))
+        zg = gates.new_zeros((kpool, gates.shape[1]))
+        one = torch.zeros(1, dtype=torch.int64, device=device)
+        pooled = backend.pool(dataclasses.replace(problem, k=zk, gates=zg), one)
+        parts, is_seq = _as_list(pooled)
+        parts = [t[:0] for t in parts]
+        pooled = type(pooled)(parts) if is_seq else parts[0]
+    if timer is not None:
+        timer.mark("pool")
+
+    if R > 1:
+        parts, is_seq = _as_list(pooled)
+        buf, playout = pack_rows(parts)  # one collective for values and scales
+        full = all_gather_uneven_rows(buf, shards.counts, seq, stats=stats, tag="gather_pools")
+        parts = unpack_rows(full, playout)
+        pooled = type(pooled)(parts) if is_seq else parts[0]
+    if timer is not None:
+        timer.mark("gather")
+    return pooled
