@@ -92,12 +92,39 @@ def staged(name, p, reps=5):
     return whole, med
 
 
+def tune(args):
+    """Time the TileLang scorer alone on the whole slice for each config."""
+    from sp_kpool.kernels.tilelang_score import tilelang_scores
+
+    rows = []
+    for H in [int(h) for h in args.heads.split(",")]:
+        p = rank_slice_problem(args.total, 4, 3, heads=H, head_dim=128, topk=2048, seed=H)
+        st, offs = pool_table(p.seq.real_cu_seq_lens, 4)
+        pooled = BACKENDS["tilelang"].pool(p, st.cuda())
+        m = row_meta(torch.arange(p.seq.shard_start, p.seq.shard_end), p.seq.real_cu_seq_lens, offs, 4)
+        s, e = m.pool_lo.int().cuda(), m.pool_hi.int().cuda()
+        w = p.head_weights.float() * (H**-0.5 * 128**-0.5)
+        flops = 2.0 * causal_pairs(p) * H * 128
+        for cfg in args.tune.split(","):
+            bn, stg, th = (int(v) for v in cfg.split(":"))
+            try:
+                ms = bench(lambda: tilelang_scores(p.q, w, pooled, s, e, config=(bn, stg, th)), reps=5, warmup=1)
+                row = {"H": H, "config": cfg, "ms": ms, "tflops": flops / ms / 1e9}
+            except Exception as exc:  # noqa: BLE001
+                row = {"H": H, "config": cfg, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
+            rows.append(row)
+            log(json.dumps(row))
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="32,64")
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=8 << 30, help="max_logits_bytes for the GPU backends")
     ap.add_argument("--torch-baseline", action="store_true", help="also time the torch backend end to end (slow)")
+    ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads,...' to time first")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -110,6 +137,8 @@ def main():
     res["ceilings"] = ceil = ceilings()
     log(json.dumps(res))
     res["runs"] = []
+    if args.tune:
+        res["tune"] = tune(args)
     for H in [int(h) for h in args.heads.split(",")]:
         for precision, name in (("bf16", "tilelang"), ("fp8", "deepgemm")):
             p = rank_slice_problem(args.total, 4, 3, heads=H, head_dim=128, topk=2048, precision=precision,

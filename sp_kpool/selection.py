@@ -27,6 +27,7 @@ __all__ = [
     "topk_pools",
     "topk_pools_fast",
     "select_pools",
+    "topk_pools_radix",
     "assemble",
     "TAILS",
     "ORDERS",
@@ -169,16 +170,71 @@ def topk_pools_fast(scores: torch.Tensor, k: int, col0: int, extra: int = FAST_E
     return pools.masked_fill_(~valid, -1), valid
 
 
-def select_pools(scores, visible, k: int, col0: int) -> torch.Tensor:
+def topk_pools_radix(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, selector):
+    """The same selection as :func:`topk_pools`, from LMDeploy's radix selector plus a check.
+
+    ``scores``: ``[R, N]`` float32, ``-inf`` at invisible cells, row ``r`` visible only
+    inside ``[0, ends[r])``; ``selector`` is ``sparse_index_topk`` (``k`` in {512, 2048}).
+    The selector returns *a* top-``k`` set in no particular order; it is the exact set
+    unless values equal to the row's threshold (its ``k``-th best) were left out, which one
+    pass over the scores detects (one host synchronisation per call). Such blocks fall
+    back to :func:`topk_pools_fast`. The set is then ranked by :func:`score_keys`.
+    Returns ``(pools, valid)`` as :func:`topk_pools`.
+    """
+    R, n = scores.shape
+    if n <= k:
+        return topk_pools_fast(scores, k, col0)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    ends32 = ends.to(torch.int32).contiguous()
+    ones = torch.ones(R, dtype=torch.int32, device=scores.device)
+    idx = selector(scores, ones, ends32, k).long()  # [R, k], -1 fill
+    present = idx >= 0
+    vals = scores.gather(1, idx.clamp(min=0)).masked_fill_(~present, -float("inf"))
+    valid = vals > -float("inf")
+    n_valid = valid.sum(1)
+    thr = torch.where(valid, vals, float("inf")).amin(1)
+    full = n_valid == k
+    eq_all = (scores == thr[:, None]).sum(1)
+    eq_sel = (valid & (vals == thr[:, None])).sum(1)
+    if bool((full & (eq_all > eq_sel)).any()):
+        return topk_pools_fast(scores, k, col0)
+    s = vals + 0.0
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    keys = (ordered << 32) | (0xFFFFFFFF - idx.clamp(min=0))
+    keys = keys.masked_fill_(~valid, _INVALID_KEY)
+    top = torch.sort(keys, dim=-1, descending=True).values
+    ok = top != _INVALID_KEY
+    pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
+    return pools.masked_fill_(~ok, -1), ok
+
+
+def _radix_selector(k: int):
+    """LMDeploy's ``sparse_index_topk`` if importable and ``k`` is one of its sizes."""
+    if k not in (512, 2048):
+        return None
+    from ._probe import probe
+
+    mod, _ = probe("lmdeploy.pytorch.kernels.cuda.sparse_index_topk")
+    return getattr(mod, "sparse_index_topk", None) if mod is not None else None
+
+
+def select_pools(scores, visible, k: int, col0, ends=None) -> torch.Tensor:
     """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` int64 pool ids, ``-1``.
 
     ``visible``: ``[R, N]`` bool, or ``None`` when ``scores`` already holds ``-inf`` at
-    invisible cells. On CUDA the FP32 candidate path (:func:`topk_pools_fast`) runs, on
-    CPU the int64-key path; both return the same ids by construction.
+    invisible cells; ``ends``: ``[R]`` end of each row's visible columns (optional).
+    On CUDA: LMDeploy's radix selector with an exactness check when available
+    (:func:`topk_pools_radix`), else the FP32 candidate path (:func:`topk_pools_fast`);
+    on CPU the int64-key path. All return the same ids by construction.
     """
     if scores.device.type == "cuda":
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))
+        selector = _radix_selector(k) if ends is not None else None
+        if selector is not None:
+            return topk_pools_radix(scores, ends, k, col0, selector)[0]
         return topk_pools_fast(scores, k, col0)[0]
     if visible is None:
         visible = scores > -float("inf")
@@ -200,7 +256,8 @@ def assemble(
 
     Args:
         pools: ``[R, k_sel]`` int64 global pool ids in score order, ``-1`` unused (last).
-        meta: causal metadata of the ``R`` rows.
+        meta: causal metadata of the ``R`` rows (real rows: a padding row must come with
+            no pools; its tail is empty, so its output is all ``-1``).
         pool_tok_start: ``[P]`` int64, first token of each pool (same device as ``pools``).
         topk, kpool, tail, order, alignment: see :func:`sp_kpool.kpool_topk`.
 
@@ -210,31 +267,34 @@ def assemble(
         ``compact``: history, then the tail right after it, then ``-1``.
     """
     device = pools.device
-    rows = pools.shape[0]
+    rows, k_sel = pools.shape
     width = output_width(topk, kpool, alignment)
-    valid = pools >= 0
+    big = torch.iinfo(torch.int32).max
+    p32 = pools.to(torch.int32)
+    valid = p32 >= 0
     if order == "ascending":
-        big = torch.iinfo(torch.int64).max
-        pools = torch.sort(pools.masked_fill(~valid, big), dim=-1).values
-        valid = pools != big
-        pools = pools.masked_fill(~valid, -1)
-    slots = torch.arange(kpool, device=device)
-    ext = torch.cat([pool_tok_start, pool_tok_start.new_zeros(1)])  # pool -1 reads the extra 0
-    hist = ext[pools][..., None] + slots  # [R, k_sel, K]
-    hist = hist.masked_fill(~valid[..., None], -1).flatten(1)
-    out = torch.full((rows, width + 1), -1, dtype=torch.int64, device=device)
-    out[:, : hist.shape[1]] = hist
+        p32 = torch.sort(p32.masked_fill(~valid, big), dim=-1).values
+        valid = p32 != big
+    num_pools = pool_tok_start.numel()
+    ext = torch.cat([pool_tok_start.to(torch.int32), pool_tok_start.new_full((1,), -kpool, dtype=torch.int32)])
+    first = ext.index_select(0, torch.where(valid, p32, num_pools).flatten()).view(rows, k_sel, 1)
+    slots = torch.arange(kpool, device=device, dtype=torch.int32)
+    hist = (first + slots).view(rows, k_sel * kpool)  # unused pools: -K + slot < 0
+    hist = hist.clamp_(min=-1)
+    out = torch.full((rows, width), -1, dtype=torch.int32, device=device)
+    out[:, : k_sel * kpool] = hist
     if kpool > 1:
         toff = torch.arange(kpool - 1, device=device)
-        tail_ids = meta.rows[:, None] - meta.tail_len[:, None] + 1 + toff
-        tail_ok = toff[None] < meta.tail_len[:, None]
+        tail_len = meta.tail_len[:, None]
+        tail_ids = (meta.rows[:, None] - tail_len + 1 + toff).to(torch.int32)
+        tail_ok = toff[None] < tail_len
+        tail_ids = tail_ids.masked_fill_(~tail_ok, -1)
         if tail == "fixed":
-            col = topk + toff[None].expand(rows, -1)
+            out[:, topk : topk + kpool - 1] = tail_ids
         else:
             n_hist = valid.sum(-1, keepdim=True) * kpool
-            col = n_hist + toff[None]
-        col = torch.where(tail_ok, col, torch.full_like(col, width))  # dump column
-        out.scatter_(1, col, torch.where(tail_ok, tail_ids, torch.full_like(tail_ids, -1)))
-    out = out[:, :width]
-    out[meta.padding] = -1
-    return out.to(torch.int32)
+            col = torch.where(tail_ok, n_hist + toff[None], width)  # dump column past the end
+            wide = torch.cat([out, out.new_full((rows, 1), -1)], dim=1)
+            wide.scatter_(1, col, tail_ids)
+            out = wide[:, :width]
+    return out

@@ -25,7 +25,7 @@ from ..pooling import pool_table
 from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
 
-__all__ = ["Problem", "Backend", "stage", "run_chunked", "select_rows", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
+__all__ = ["Problem", "Backend", "stage", "round_rows", "run_chunked", "select_rows", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
 MAX_CHUNK_ROWS = 512
@@ -170,7 +170,8 @@ class Backend:
 
 
 def chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int, max_rows: int = MAX_CHUNK_ROWS) -> int:
-    """Rows per scoring chunk: fits the budget, from global quantities only."""
+    """Rows per scoring chunk: fits the budget, from global quantities only (a multiple
+    of 128 when at least 128 rows fit)."""
     per_row = max(1, num_pools) * bytes_per_cell
     rows = problem.max_logits_bytes // per_row
     if rows < 1:
@@ -178,7 +179,12 @@ def chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int, max_rows: 
             f"max_logits_bytes: expected at least {per_row} (one query row against {num_pools} pools "
             f"at {bytes_per_cell} bytes per cell), got {problem.max_logits_bytes}"
         )
-    return int(max(1, min(rows, max_rows, problem.seq.num_real_tokens)))
+    return round_rows(min(rows, max_rows, problem.seq.num_real_tokens))
+
+
+def round_rows(rows: int) -> int:
+    """``rows`` rounded down to a multiple of 128 when >= 128 (whole kernel row groups)."""
+    return int(rows // 128 * 128 if rows >= 128 else max(1, rows))
 
 
 def select_rows(
@@ -217,11 +223,13 @@ def select_rows(
         lo, hi = int(ends.pool_lo[0]), int(ends.pool_hi[1])
         if hi <= lo:
             continue
-        # every row of the global chunk with its true range (rows past the real length: empty),
-        # so the kernel call is the same whichever rank computes it
+        # the call has the same shape and row positions whichever rank computes it; rows not
+        # computed here (and past the real length) get empty ranges, so kernels skip them
         meta = row_meta(torch.arange(g0, g0 + C, device=device), real_cu, doc_pool_offset, kpool)
-        r_start = (meta.pool_lo - lo).clamp(0, hi - lo)
-        r_end = (meta.pool_hi - lo).clamp(0, hi - lo)
+        mine = torch.zeros(C, dtype=torch.bool, device=device)
+        mine[a - g0 : b - g0] = True
+        r_start = torch.where(mine, (meta.pool_lo - lo).clamp(0, hi - lo), 0)
+        r_end = torch.where(mine, (meta.pool_hi - lo).clamp(0, hi - lo), 0)
         r_end = torch.maximum(r_start, r_end)
         qc = q.new_zeros((C, H, D))
         wc = w.new_zeros((C, H))
@@ -230,16 +238,18 @@ def select_rows(
         with stage(problem, "score"):
             scores = backend.score(problem, pooled, qc, wc, lo, hi, r_start.to(torch.int32), r_end.to(torch.int32))
         col0: Any = lo
+        row_ends = r_end[a - g0 : b - g0]
         if isinstance(scores, tuple):  # request-local columns: column c of row r is pool lo + offset[r] + c
             scores, offset = scores
             col0 = lo + offset[a - g0 : b - g0, None]
+            row_ends = row_ends - offset[a - g0 : b - g0]
         scores = scores[a - g0 : b - g0]
         visible = None
         if not backend.masks_scores:
             cols = torch.arange(hi - lo, device=device)
             visible = (cols[None] >= r_start[a - g0 : b - g0, None]) & (cols[None] < r_end[a - g0 : b - g0, None])
         with stage(problem, "select"):
-            pools = select_pools(scores, visible, k_sel, col0)
+            pools = select_pools(scores, visible, k_sel, col0, row_ends)
         out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
     return out
 

@@ -22,7 +22,7 @@ import torch
 
 from .._probe import cuda_reason, probe
 from ..logits_budget import logits_bytes, logits_chunk_rows
-from .base import Backend, Problem
+from .base import Backend, Problem, round_rows
 
 __all__ = ["DeepGemmBackend", "mqa_api"]
 
@@ -122,7 +122,7 @@ class DeepGemmBackend(Backend):
     def chunk_rows(self, problem: Problem, num_pools: int) -> int:
         layout, a = self._layout_args(problem)
         rows = logits_chunk_rows(problem.max_logits_bytes, max(1, num_pools), problem.heads, layout, a)
-        return int(min(rows, self.max_chunk_rows, problem.seq.num_real_tokens))
+        return round_rows(min(rows, self.max_chunk_rows, problem.seq.num_real_tokens))
 
     def score(self, problem, pooled, q, w, lo, hi, starts, ends):
         from ..kernels.triton_serving import queries_fp8

@@ -13,7 +13,7 @@ rows' ranges in ``[BN, D]`` tiles::
 the model score up to FP32 rounding, not bit for bit.
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
 
 import functools
 import os
@@ -40,13 +40,14 @@ def default_config(heads: int, dim: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int):
+def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int, warp_specialized: bool = True):
     import tilelang
     import tilelang.language as T
 
     block_q = max(1, 128 // heads)
+    configs = {} if warp_specialized else {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
-    @tilelang.jit
+    @tilelang.jit(pass_configs=configs)
     def build(heads=heads, dim=dim, block_n=block_n, num_stages=num_stages, threads=threads, block_q=block_q):
         rows = T.dynamic("rows")
         cols = T.dynamic("cols")
@@ -58,6 +59,8 @@ def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int):
             W: T.Tensor([rows, heads], "float32"),
             Starts: T.Tensor([rows], "int32"),
             Ends: T.Tensor([rows], "int32"),
+            BlockLo: T.Tensor([T.ceildiv(rows, block_q)], "int32"),
+            BlockHi: T.Tensor([T.ceildiv(rows, block_q)], "int32"),
             Out: T.Tensor([rows, cols], "float32"),
         ):
             with T.Kernel(T.ceildiv(rows, block_q), threads=threads) as bx:
@@ -67,25 +70,18 @@ def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int):
                 s3 = T.reshape(s, (block_n, block_q, heads))
                 acc = T.alloc_fragment([block_n, block_q], "float32")
                 w_f = T.alloc_fragment([block_q, heads], "float32")
-                lo = T.alloc_local([1], "int32")
-                hi = T.alloc_local([1], "int32")
                 r0 = bx * block_q
-                lo[0] = cols
-                hi[0] = 0
-                for i in T.serial(block_q):
-                    lo[0] = T.min(lo[0], Starts[r0 + i])
-                    hi[0] = T.max(hi[0], Ends[r0 + i])
                 T.copy(Q[r0 * heads, 0], q_s)
                 T.copy(W[r0, 0], w_f)
-                for nb in T.Pipelined(T.ceildiv(hi[0] - lo[0], block_n), num_stages=num_stages):
-                    T.copy(K[lo[0] + nb * block_n, 0], k_s)
+                for nb in T.Pipelined(T.ceildiv(BlockHi[bx] - BlockLo[bx], block_n), num_stages=num_stages):
+                    T.copy(K[BlockLo[bx] + nb * block_n, 0], k_s)
                     T.gemm(k_s, q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                     for i, j, h in T.Parallel(block_n, block_q, heads):
                         s3[i, j, h] = T.max(s3[i, j, h], 0) * w_f[j, h]
                     T.reduce_sum(s3, acc, dim=-1, clear=True)
                     for j, i in T.Parallel(block_q, block_n):
-                        c = lo[0] + nb * block_n + i
-                        if c < hi[0]:
+                        c = BlockLo[bx] + nb * block_n + i
+                        if c < BlockHi[bx]:
                             Out[r0 + j, c] = T.if_then_else(
                                 c >= Starts[r0 + j],
                                 T.if_then_else(c < Ends[r0 + j], acc[i, j], -T.infinity("float32")),
@@ -117,7 +113,7 @@ def tilelang_scores(
     """
     R, H, D = q.shape
     bn, st, th = config or default_config(H, D)
-    kern, block_q = _kernel(H, D, bn, st, th)
+    block_q = max(1, 128 // H)
     Rp = -(-R // block_q) * block_q
     if Rp != R:  # whole row groups: pad with empty ranges
         pad = Rp - R
@@ -126,5 +122,22 @@ def tilelang_scores(
         starts = torch.cat([starts, starts.new_zeros(pad)])
         ends = torch.cat([ends, ends.new_zeros(pad)])
     out = torch.full((Rp, keys.shape[0]), -float("inf"), dtype=torch.float32, device=q.device)
-    kern(q.reshape(Rp * H, D).contiguous(), keys.contiguous(), weights.contiguous(), starts.contiguous(), ends.contiguous(), out)
+    # per block: the union of its rows' ranges (empty ranges do not widen it)
+    nonempty = ends > starts
+    big = torch.iinfo(torch.int32).max
+    blo = torch.where(nonempty, starts, big).view(-1, block_q).amin(1)
+    bhi = torch.where(nonempty, ends, 0).view(-1, block_q).amax(1)
+    blo = torch.minimum(blo, bhi).to(torch.int32)
+    args = (q.reshape(Rp * H, D).contiguous(), keys.contiguous(), weights.contiguous(), starts.contiguous(),
+            ends.contiguous(), blo.contiguous(), bhi.to(torch.int32).contiguous(), out)  # fmt: skip
+    _compiled(H, D, bn, st, th)(*args)
     return out[:R]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(H, D, bn, st, th):
+    """The kernel, warp-specialized if this TileLang build compiles it so, else without."""
+    try:
+        return _kernel(H, D, bn, st, th, True)[0]
+    except Exception:  # noqa: BLE001 - a compiler failure of the specialized form
+        return _kernel(H, D, bn, st, th, False)[0]

@@ -34,16 +34,20 @@ def _kernels():
         return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
+    def butterfly(x, BLOCK: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+        # pairs (x[j], x[j + H]) with j mod 2H < H become (a + b, a - b)
+        y = tl.reshape(x, (BLOCK, D // (2 * H), 2, H))
+        y = tl.permute(y, (0, 1, 3, 2))
+        a, b = tl.split(y)
+        y = tl.join(add_rn(a, b), add_rn(a, -b))
+        y = tl.permute(y, (0, 1, 3, 2))
+        return tl.reshape(y, (BLOCK, D))
+
+    @triton.jit
     def hadamard(x, BLOCK: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D):
-        # butterfly stages h = 1, 2, 4, ...: (x[j], x[j + h]) -> (a + b, a - b), then * D^-0.5
+        # butterfly stages h = 1, 2, 4, ..., D / 2, then * D^-0.5
         for st in tl.static_range(LOG2D):
-            h: tl.constexpr = 1 << st
-            y = tl.reshape(x, (BLOCK, D // (2 * h), 2, h))
-            y = tl.permute(y, (0, 1, 3, 2))
-            a, b = tl.split(y)
-            y = tl.join(add_rn(a, b), add_rn(a, -b))
-            y = tl.permute(y, (0, 1, 3, 2))
-            x = tl.reshape(y, (BLOCK, D))
+            x = butterfly(x, BLOCK, D, 1 << st)
         return mul_rn(x, INV_SQRT_D)
 
     @triton.jit

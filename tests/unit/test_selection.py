@@ -135,3 +135,42 @@ def test_fast_topk_equals_exact_topk(levels):
     exact, _ = topk_pools(scores, visible, 32, col0=7)
     fast, _ = topk_pools_fast(scores.masked_fill(~visible, -float("inf")), 32, col0=7)
     assert torch.equal(fast, exact)
+
+
+def _fake_radix_selector(seed):
+    """A stand-in with LMDeploy's contract: *some* top-k set of [0, seqlen) in any order,
+    ties at the threshold broken arbitrarily; rows with seqlen <= k return 0..seqlen-1."""
+    g = torch.Generator().manual_seed(seed)
+
+    def select(scores, q_seqlens, kv_seqlens, k):
+        out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
+        for r in range(scores.shape[0]):
+            n = int(kv_seqlens[r])
+            if n <= k:
+                out[r, :n] = torch.arange(n)
+                continue
+            row = scores[r, :n]
+            noise = torch.rand(n, generator=g)  # arbitrary order among equal values
+            order = sorted(range(n), key=lambda i: (-float(row[i]), float(noise[i])))
+            chosen = torch.tensor(order[:k])
+            out[r] = chosen[torch.randperm(k, generator=g)].int()
+        return out
+
+    return select
+
+
+@pytest.mark.parametrize("levels", [2, 50, 10**6])
+def test_radix_selection_with_check_equals_exact(levels):
+    from sp_kpool.selection import topk_pools_radix
+
+    g = torch.Generator().manual_seed(levels)
+    R, N, k = 40, 700, 512
+    scores = torch.randint(-levels, levels, (R, N), generator=g).float()
+    starts = torch.randint(0, 100, (R,), generator=g)
+    ends = torch.minimum(starts + torch.randint(0, 700, (R,), generator=g), torch.tensor(N))
+    cols = torch.arange(N)
+    visible = (cols >= starts[:, None]) & (cols < ends[:, None])
+    exact, _ = topk_pools(scores, visible, k, col0=3)
+    masked = scores.masked_fill(~visible, -float("inf"))
+    got, _ = topk_pools_radix(masked, ends, k, 3, _fake_radix_selector(levels))
+    assert torch.equal(got, exact)
