@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import capture as _capture_mod
 from .api import kpool_topk
 from .precision import SERVING_PRECISIONS, resolve_precision
 from .sharding import ShardedSequence
@@ -38,6 +39,10 @@ class KPoolIndexer(nn.Module):
             arithmetic, from one resolution per call.
         backend, tail, order, alignment, max_logits_bytes: passed to ``kpool_topk``.
         device, dtype: of the parameters.
+        capture_dir: record the inputs of the first forward call(s) to ``safetensors`` files
+            in this directory, one per rank (default ``$SP_KPOOL_CAPTURE_DIR``, read here;
+            unset: no capture). See :mod:`sp_kpool.capture`; replay with
+            ``python -m sp_kpool parity``.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class KPoolIndexer(nn.Module):
         precision: str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        capture_dir: str | None = None,
     ) -> None:
         super().__init__()
         for name, v in (
@@ -90,6 +96,7 @@ class KPoolIndexer(nn.Module):
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(index_kpool, index_head_dim, **fk))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(index_head_dim, hidden_size, **fk))
         self.requires_grad_(False)
+        self._capture = _capture_mod.hook_for(capture_dir)  # None: no capture, no cost
 
     @torch.no_grad()
     def prepare(
@@ -138,11 +145,15 @@ class KPoolIndexer(nn.Module):
         this rank's rows of the packed sequence described by ``seq``.
         """
         precision = resolve_precision(self.precision)  # one resolution: preparation and selection
-        return kpool_topk(
-            **self.prepare(hidden, q_resid, precision),
+        prepared = self.prepare(hidden, q_resid, precision)
+        ids = kpool_topk(
+            **prepared,
             seq=seq,
             topk=self.index_topk,
             kpool=self.index_kpool,
             precision=precision,
             **self.options,
         )
+        if self._capture is not None:  # after the result: capturing never changes it
+            self._capture(self, hidden, q_resid, seq, precision, prepared, ids)
+        return ids

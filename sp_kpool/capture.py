@@ -1,0 +1,475 @@
+"""Capture the inputs of a live ``KPoolIndexer`` call to a ``safetensors`` file, and read it back.
+
+Opt-in, per rank, no communication. Enable it with ``KPoolIndexer(..., capture_dir=DIR)``,
+with ``$SP_KPOOL_CAPTURE_DIR`` (read when the module is built), or on a live module with
+:func:`enable`. A module without capture pays one attribute test per call; a capturing
+call records *after* computing its result, so the result is unchanged.
+
+One file per rank and captured call::
+
+    DIR/<tag>-call<NNNN>.rank<RRR>-of-<WWW>.safetensors
+
+    tensor          shape                       dtype       what
+    hidden          [S_local, hidden_size]      as given    this rank's rows (padding rows as given)
+    q_resid         [S_local, q_lora_rank]      as given    this rank's rows
+    cu_seq_lens     [num_docs + 1]              int64       global, padded (``ShardedSequence.cu_seq_lens``)
+    ids             [S_local, W]                int32       what the live call returned
+    param.<name>    checkpoint shapes           as stored   the seven indexer tensors (``wq_b.weight``, ...)
+
+    metadata (str -> str): format ``sp_kpool.capture/1``, rank, world_size, shard_start,
+    shard_size, num_padding, topk, kpool, heads, tail, order, alignment, max_logits_bytes
+    (resolved), precision, backend (requested) and backend_resolved, device, autocast
+    (``off`` or the dtype), tag, call, source, versions, ``options`` (JSON: every option
+    the module passed to ``kpool_topk``), and ``crc32``: a JSON object with the CRC-32 of
+    every tensor's bytes (so a flipped byte is reported, not replayed).
+
+Several ranks: each file holds **only its own rows**. Replaying rank ``r`` needs the keys
+and gates of the whole sequence, so the replay reads all ``W`` files of the call (same
+directory, same stem) and rebuilds keys and gates per rank with ``KPoolIndexer.prepare``,
+exactly as the live ranks did before their all-gather; queries and head weights come from
+rank ``r``'s file only. Cost: a file is ``S_local * (hidden_size + q_lora_rank)`` elements
+plus the parameters (about 20 MB in BF16 at the checkpoint's shapes) and the ids
+(``S_local * W * 4`` bytes); nothing is duplicated across ranks. (Storing the gathered
+hidden rows in every file instead would cost ``W`` times the whole sequence's hidden
+states: 1 GiB per file for 131072 BF16 tokens of width 4096.)
+
+Errors reading a capture are :class:`CaptureError` (a ``ValueError``) naming the file and
+what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CaptureError",
+    "CaptureHook",
+    "Capture",
+    "FORMAT",
+    "PARAM_NAMES",
+    "ENV_DIR",
+    "ENV_CALLS",
+    "hook_for",
+    "enable",
+    "capture_path",
+    "write_capture",
+    "load_capture",
+    "load_capture_set",
+]
+
+FORMAT = "sp_kpool.capture/1"
+#: Directory that turns capture on for every ``KPoolIndexer`` built afterwards.
+ENV_DIR = "SP_KPOOL_CAPTURE_DIR"
+#: Forward calls captured per module (default 1).
+ENV_CALLS = "SP_KPOOL_CAPTURE_CALLS"
+#: The seven checkpoint tensors, stored as ``param.<name>``.
+PARAM_NAMES = (
+    "wq_b.weight",
+    "wk.weight",
+    "k_norm.weight",
+    "k_norm.bias",
+    "weights_proj.weight",
+    "index_kpool_compress_gate",
+    "index_kpool_compress_ape",
+)
+_DATA = ("hidden", "q_resid", "cu_seq_lens", "ids")
+_INT_META = (
+    "rank", "world_size", "shard_start", "shard_size", "num_padding", "topk", "kpool", "heads",
+    "alignment", "max_logits_bytes", "call",
+)  # fmt: skip
+_STR_META = ("tail", "order", "precision", "backend", "backend_resolved", "device", "autocast", "tag", "source")
+_NAME_RE = re.compile(r"^(?P<stem>.+)\.rank(?P<rank>\d+)-of-(?P<world>\d+)\.safetensors$")
+_serial = itertools.count()
+_log = logging.getLogger(__name__)
+
+
+class CaptureError(ValueError):
+    """A capture file is missing, unreadable, corrupted or inconsistent (message names the file)."""
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def capture_path(directory: str | os.PathLike, tag: str, call: int, rank: int, world_size: int) -> Path:
+    """``directory/<tag>-call<NNNN>.rank<RRR>-of-<WWW>.safetensors``."""
+    return Path(directory) / f"{tag}-call{call:04d}.rank{rank:03d}-of-{world_size:03d}.safetensors"
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu").contiguous()
+
+
+def _crc32(t: torch.Tensor) -> int:
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    return zlib.crc32(flat.view(torch.uint8).numpy())
+
+
+def _autocast_state(device: torch.device) -> str:
+    try:
+        if torch.is_autocast_enabled(device.type):
+            return str(torch.get_autocast_dtype(device.type)).replace("torch.", "")
+    except (RuntimeError, TypeError):  # a device type without autocast
+        pass
+    return "off"
+
+
+def write_capture(
+    path: str | os.PathLike,
+    *,
+    hidden: torch.Tensor,
+    q_resid: torch.Tensor,
+    ids: torch.Tensor,
+    seq,
+    params: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+) -> Path:
+    """Write one capture file (atomically: a temporary name, then ``os.replace``).
+
+    ``seq`` is the call's ``ShardedSequence``; ``params`` maps :data:`PARAM_NAMES` to
+    tensors; ``meta`` holds the remaining metadata (options, precision, backend, ...).
+    Tensors are copied to the CPU. Returns the path written.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    missing = [n for n in PARAM_NAMES if n not in params]
+    if missing:
+        raise ValueError(f"params: expected the seven indexer tensors, missing {missing}")
+    tensors = {
+        "hidden": _cpu(hidden),
+        "q_resid": _cpu(q_resid),
+        "cu_seq_lens": _cpu(seq.cu_seq_lens.to(torch.int64)),
+        "ids": _cpu(ids),
+        **{f"param.{n}": _cpu(params[n]) for n in PARAM_NAMES},
+    }
+    from . import __version__
+
+    full = {
+        "format": FORMAT,
+        "sp_kpool": __version__,
+        "torch": torch.__version__,
+        "rank": seq.rank,
+        "world_size": seq.world_size,
+        "shard_start": seq.shard_start,
+        "shard_size": seq.shard_size,
+        "num_padding": seq.num_padding,
+        **meta,
+        "crc32": json.dumps({k: _crc32(v) for k, v in tensors.items()}, sort_keys=True),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={k: str(v) for k, v in full.items()})
+    os.replace(tmp, path)
+    return path
+
+
+class CaptureHook:
+    """Records the first ``calls`` forward calls of a module (see the module docstring).
+
+    Called by ``KPoolIndexer.forward`` after the result is computed; returns the path
+    written, or ``None`` once ``calls`` calls have been captured. ``tag`` defaults to
+    ``kpool<NNN>``, numbered in the order hooks are made in this process (the same on every
+    rank when the ranks build the model alike).
+    """
+
+    def __init__(self, directory: str | os.PathLike, calls: int = 1, tag: str | None = None) -> None:
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"calls: expected an int >= 0, got {calls!r}")
+        if tag is not None and (not tag or "/" in tag or os.sep in tag):
+            raise ValueError(f"tag: expected a non-empty file-name fragment, got {tag!r}")
+        self.directory = Path(directory)
+        self.calls = calls
+        self.tag = tag if tag is not None else f"kpool{next(_serial):03d}"
+        self.done = 0
+        #: Recorded as metadata ``source``.
+        self.source = "live"
+
+    def __repr__(self) -> str:
+        return f"CaptureHook({str(self.directory)!r}, calls={self.calls}, tag={self.tag!r}, done={self.done})"
+
+    @torch.no_grad()
+    def __call__(self, module, hidden, q_resid, seq, precision: str, prepared: dict, ids: torch.Tensor) -> Path | None:
+        if self.done >= self.calls:
+            return None
+        from .backends import Problem, resolve_backend
+        from .backends.base import default_max_logits_bytes
+
+        opts = module.options
+        mlb = opts.get("max_logits_bytes")
+        mlb = default_max_logits_bytes() if mlb is None else mlb
+        problem = Problem(
+            **prepared, seq=seq, topk=module.index_topk, kpool=module.index_kpool, tail=opts["tail"],
+            order=opts["order"], alignment=opts["alignment"], max_logits_bytes=mlb, precision=precision,
+        )  # fmt: skip
+        meta = {
+            "topk": module.index_topk,
+            "kpool": module.index_kpool,
+            "heads": module.n_heads,
+            "tail": opts["tail"],
+            "order": opts["order"],
+            "alignment": opts["alignment"],
+            "max_logits_bytes": mlb,
+            "precision": precision,
+            "backend": opts["backend"],
+            "backend_resolved": resolve_backend(opts["backend"], problem).name,
+            "device": str(hidden.device),
+            "autocast": _autocast_state(hidden.device),
+            "tag": self.tag,
+            "call": self.done,
+            "source": self.source,
+            "options": json.dumps(opts, sort_keys=True, default=str),  # every kpool_topk option, as called
+        }
+        params = dict(module.state_dict())
+        path = capture_path(self.directory, self.tag, self.done, seq.rank, seq.world_size)
+        write_capture(path, hidden=hidden, q_resid=q_resid, ids=ids, seq=seq, params=params, meta=meta)
+        self.done += 1
+        _log.info("sp_kpool: captured indexer call to %s", path)
+        return path
+
+
+def hook_for(directory: str | os.PathLike | None) -> CaptureHook | None:
+    """The hook a new module gets: ``directory`` if given, else ``$SP_KPOOL_CAPTURE_DIR``,
+    else ``None`` (no capture). ``$SP_KPOOL_CAPTURE_CALLS`` sets the number of calls."""
+    if directory is None:
+        directory = os.environ.get(ENV_DIR, "").strip() or None
+        if directory is None:
+            return None
+    raw = os.environ.get(ENV_CALLS, "").strip() or "1"
+    try:
+        calls = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_CALLS}: expected a non-negative integer, got {raw!r}") from None
+    if calls < 0:
+        raise ValueError(f"{ENV_CALLS}: expected a non-negative integer, got {calls}")
+    return CaptureHook(directory, calls)
+
+
+def enable(module, directory: str | os.PathLike | None, calls: int = 1, tag: str | None = None) -> CaptureHook | None:
+    """Turn capture on (or off with ``directory=None``) for a live ``KPoolIndexer``."""
+    hook = None if directory is None else CaptureHook(directory, calls, tag)
+    module._capture = hook
+    return hook
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True, eq=False)
+class Capture:
+    """One rank's capture file, validated. ``meta`` holds the typed metadata."""
+
+    path: Path
+    meta: dict[str, Any]
+    hidden: torch.Tensor
+    q_resid: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    ids: torch.Tensor
+    params: dict[str, torch.Tensor]
+    crc32: dict[str, int]
+
+    @property
+    def rank(self) -> int:
+        return self.meta["rank"]
+
+    @property
+    def world_size(self) -> int:
+        return self.meta["world_size"]
+
+    def seq(self):
+        """The call's ``ShardedSequence`` (no process group), rebuilt and checked."""
+        from .sharding import ShardedSequence
+
+        cu = self.cu_seq_lens[:-1] if self.meta["num_padding"] else self.cu_seq_lens
+        seq = ShardedSequence.split(cu, world_size=self.world_size, rank=self.rank)
+        got = (seq.shard_start, seq.shard_size, seq.num_padding)
+        want = (self.meta["shard_start"], self.meta["shard_size"], self.meta["num_padding"])
+        if got != want or not torch.equal(seq.cu_seq_lens, self.cu_seq_lens):
+            raise CaptureError(
+                f"{self.path}: sharding metadata (shard_start, shard_size, num_padding) = {want} does not "
+                f"match the split of its cu_seq_lens over {self.world_size} ranks {got}"
+            )
+        return seq
+
+    def indexer(self, device: torch.device | str = "cpu"):
+        """A ``KPoolIndexer`` with the captured parameters (dtypes kept) and options."""
+        from .indexer import KPoolIndexer
+
+        m = self.meta
+        wq, wk = self.params["wq_b.weight"], self.params["wk.weight"]
+        mod = KPoolIndexer(
+            hidden_size=wk.shape[1], q_lora_rank=wq.shape[1], index_n_heads=m["heads"],
+            index_head_dim=wk.shape[0], index_topk=m["topk"], index_kpool=m["kpool"],
+            backend=m["backend"], tail=m["tail"], order=m["order"], alignment=m["alignment"],
+            max_logits_bytes=m["max_logits_bytes"], precision=m["precision"], device="meta",
+            capture_dir=None,
+        )  # fmt: skip
+        mod._capture = None  # never re-capture a replay, whatever the environment says
+        mod.load_state_dict({n: t.to(device) for n, t in self.params.items()}, strict=True, assign=True)
+        return mod.requires_grad_(False)
+
+
+def _fail(path: Path, what: str) -> CaptureError:
+    return CaptureError(f"{path}: {what}")
+
+
+def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
+    """Read and validate one capture file (tensors on the CPU).
+
+    ``verify`` checks every tensor's CRC-32 against the one stored at capture time.
+    Raises :class:`CaptureError` naming the file and the problem.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise _fail(path, "no such capture file")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            raw_meta = fh.metadata() or {}
+            names = set(fh.keys())
+            if raw_meta.get("format") != FORMAT:
+                got = raw_meta.get("format")
+                raise _fail(
+                    path,
+                    f"not an sp_kpool capture (metadata 'format' is {got!r}, expected {FORMAT!r})",
+                )
+            want = {*_DATA, *(f"param.{n}" for n in PARAM_NAMES)}
+            if want - names:
+                raise _fail(path, f"missing tensors {sorted(want - names)}")
+            tensors = {n: fh.get_tensor(n) for n in sorted(want)}
+    except CaptureError:
+        raise
+    except Exception as exc:  # safetensors raises its own error type (and OSError, ...)
+        raise _fail(path, f"cannot be read as safetensors, the file is truncated or corrupted ({exc})") from exc
+
+    meta: dict[str, Any] = {}
+    missing = [k for k in (*_INT_META, *_STR_META, "crc32") if k not in raw_meta]
+    if missing:
+        raise _fail(path, f"missing metadata {missing}")
+    for k in _INT_META:
+        try:
+            meta[k] = int(raw_meta[k])
+        except ValueError:
+            raise _fail(path, f"metadata {k!r}: expected an integer, got {raw_meta[k]!r}") from None
+    for k in _STR_META:
+        meta[k] = raw_meta[k]
+    for k in ("sp_kpool", "torch"):
+        meta[k] = raw_meta.get(k, "?")
+    meta["options"] = raw_meta.get("options", "{}")
+    try:
+        crc = {str(k): int(v) for k, v in json.loads(raw_meta["crc32"]).items()}
+    except (ValueError, TypeError, AttributeError):
+        raise _fail(path, f"metadata 'crc32': expected a JSON object of integers, got {raw_meta['crc32'][:80]!r}") from None
+    if verify:
+        for name, t in tensors.items():
+            if name not in crc:
+                raise _fail(path, f"metadata 'crc32' has no entry for tensor {name!r}")
+            got = _crc32(t)
+            if got != crc[name]:
+                raise _fail(
+                    path,
+                    f"tensor {name!r} fails its checksum (stored crc32 {crc[name]:#010x}, computed {got:#010x}): "
+                    "the file is corrupted",
+                )
+    cap = Capture(
+        path=path, meta=meta, hidden=tensors["hidden"], q_resid=tensors["q_resid"],
+        cu_seq_lens=tensors["cu_seq_lens"], ids=tensors["ids"],
+        params={n: tensors[f"param.{n}"] for n in PARAM_NAMES}, crc32=crc,
+    )  # fmt: skip
+    _check_shapes(cap)
+    return cap
+
+
+def _check_shapes(c: Capture) -> None:
+    from .precision import PRECISIONS
+    from .selection import ORDERS, TAILS, output_width
+
+    m, p, path = c.meta, c.params, c.path
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise _fail(path, what)
+
+    need(m["world_size"] >= 1 and 0 <= m["rank"] < m["world_size"], f"rank {m['rank']} of world size {m['world_size']} is impossible")
+    need(m["precision"] in PRECISIONS, f"metadata 'precision': expected one of {list(PRECISIONS)}, got {m['precision']!r}")
+    need(m["tail"] in TAILS, f"metadata 'tail': expected one of {list(TAILS)}, got {m['tail']!r}")
+    need(m["order"] in ORDERS, f"metadata 'order': expected one of {list(ORDERS)}, got {m['order']!r}")
+    need(m["kpool"] >= 1 and m["topk"] >= 1 and m["topk"] % m["kpool"] == 0, f"topk {m['topk']} / kpool {m['kpool']} are invalid")
+    cu = c.cu_seq_lens
+    need(cu.dtype == torch.int64 and cu.dim() == 1 and cu.numel() >= 2, f"cu_seq_lens: expected 1-D int64, got {cu.dtype} {list(cu.shape)}")
+    S_loc, H, K = m["shard_size"], m["heads"], m["kpool"]
+    need(int(cu[-1]) == S_loc * m["world_size"], f"cu_seq_lens ends at {int(cu[-1])}, expected shard_size * world_size = {S_loc * m['world_size']}")
+    wq, wk = p["wq_b.weight"], p["wk.weight"]
+    need(wk.dim() == 2 and wq.dim() == 2, f"param wk.weight / wq_b.weight: expected 2-D, got {list(wk.shape)} / {list(wq.shape)}")
+    D, hidden = wk.shape
+    want = {
+        "wq_b.weight": [H * D, wq.shape[1]],
+        "k_norm.weight": [D],
+        "k_norm.bias": [D],
+        "weights_proj.weight": [H, hidden],
+        "index_kpool_compress_gate": [D, hidden],
+        "index_kpool_compress_ape": [K, D],
+    }
+    for n, shape in want.items():
+        need(list(p[n].shape) == shape, f"param {n}: expected shape {shape} (H={H}, D={D}, K={K}), got {list(p[n].shape)}")
+    need(list(c.hidden.shape) == [S_loc, hidden], f"hidden: expected shape {[S_loc, hidden]}, got {list(c.hidden.shape)}")
+    need(list(c.q_resid.shape) == [S_loc, wq.shape[1]], f"q_resid: expected shape {[S_loc, wq.shape[1]]}, got {list(c.q_resid.shape)}")
+    width = output_width(m["topk"], K, m["alignment"])
+    need(list(c.ids.shape) == [S_loc, width] and c.ids.dtype == torch.int32, f"ids: expected int32 {[S_loc, width]}, got {c.ids.dtype} {list(c.ids.shape)}")
+
+
+def load_capture_set(path: str | os.PathLike, *, verify: bool = True) -> tuple[Capture, list[Capture]]:
+    """``(this rank's capture, every rank's capture in rank order)``.
+
+    With world size 1 the list is ``[capture]``. Otherwise the other ranks' files are found
+    next to ``path`` by name (``<stem>.rank<RRR>-of-<WWW>.safetensors``) and checked to
+    belong to the same call (same sequence, options, precision and parameters).
+    """
+    cap = load_capture(path, verify=verify)
+    R = cap.world_size
+    if R == 1:
+        return cap, [cap]
+    m = _NAME_RE.match(cap.path.name)
+    if not m or int(m["world"]) != R or int(m["rank"]) != cap.rank:
+        raise _fail(
+            cap.path,
+            f"rank {cap.rank} of {R}: the replay needs every rank's file, found by the name "
+            f"'<stem>.rank<RRR>-of-{R:03d}.safetensors', but this file is named differently",
+        )
+    caps = []
+    for r in range(R):
+        if r == cap.rank:
+            caps.append(cap)
+            continue
+        other = cap.path.with_name(f"{m['stem']}.rank{r:03d}-of-{R:03d}.safetensors")
+        if not other.is_file():
+            raise _fail(
+                cap.path,
+                f"rank {r} of {R} is needed to rebuild the keys and gates of the whole sequence "
+                f"(replay stitches every rank's rows), but {other} does not exist",
+            )
+        caps.append(load_capture(other, verify=verify))
+    same = ("world_size", "shard_size", "num_padding", "topk", "kpool", "heads", "tail", "order", "alignment",
+            "max_logits_bytes", "precision", "tag", "call")  # fmt: skip
+    for c in caps:
+        if c.rank != caps.index(c):
+            raise _fail(c.path, f"metadata says rank {c.rank}, but its name says rank {caps.index(c)}")
+        diff = [f"{k}: {c.meta[k]!r} vs {cap.meta[k]!r}" for k in same if c.meta[k] != cap.meta[k]]
+        if not torch.equal(c.cu_seq_lens, cap.cu_seq_lens):
+            diff.append("cu_seq_lens differ")
+        diff += [f"param {n} differs" for n in PARAM_NAMES if c.crc32[f"param.{n}"] != cap.crc32[f"param.{n}"]]
+        if diff:
+            raise _fail(c.path, f"does not belong to the same call as {cap.path.name}: " + "; ".join(diff))
+    return cap, caps
