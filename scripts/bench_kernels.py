@@ -106,9 +106,9 @@ def tune(args):
         w = p.head_weights.float() * (H**-0.5 * 128**-0.5)
         flops = 2.0 * causal_pairs(p) * H * 128
         for cfg in args.tune.split(","):
-            bn, stg, th = (int(v) for v in cfg.split(":"))
+            c = tuple(int(v) for v in cfg.split(":"))
             try:
-                ms = bench(lambda: tilelang_scores(p.q, w, pooled, s, e, config=(bn, stg, th)), reps=5, warmup=1)
+                ms = bench(lambda: tilelang_scores(p.q, w, pooled, s, e, config=c), reps=5, warmup=1)
                 row = {"H": H, "config": cfg, "ms": ms, "tflops": flops / ms / 1e9}
             except Exception as exc:  # noqa: BLE001
                 row = {"H": H, "config": cfg, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"}

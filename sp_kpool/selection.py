@@ -170,16 +170,17 @@ def topk_pools_fast(scores: torch.Tensor, k: int, col0: int, extra: int = FAST_E
     return pools.masked_fill_(~valid, -1), valid
 
 
-def topk_pools_radix(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, selector):
+def topk_pools_radix(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, selector, ordered: bool = True):
     """The same selection as :func:`topk_pools`, from LMDeploy's radix selector plus a check.
 
     ``scores``: ``[R, N]`` float32, ``-inf`` at invisible cells, row ``r`` visible only
     inside ``[0, ends[r])``; ``selector`` is ``sparse_index_topk`` (``k`` in {512, 2048}).
     The selector returns *a* top-``k`` set in no particular order; it is the exact set
     unless values equal to the row's threshold (its ``k``-th best) were left out, which one
-    pass over the scores detects (one host synchronisation per call). Such blocks fall
-    back to :func:`topk_pools_fast`. The set is then ranked by :func:`score_keys`.
-    Returns ``(pools, valid)`` as :func:`topk_pools`.
+    pass over the scores detects. Such rows (one host synchronisation per call to find
+    them) are redone with :func:`topk_pools_fast`. With ``ordered`` the set is ranked by
+    :func:`score_keys` (score order); without, valid ids come first in no fixed order
+    (for callers that sort by pool id anyway). Returns ``(pools, valid)``.
     """
     R, n = scores.shape
     if n <= k:
@@ -192,22 +193,29 @@ def topk_pools_radix(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, sel
     present = idx >= 0
     vals = scores.gather(1, idx.clamp(min=0)).masked_fill_(~present, -float("inf"))
     valid = vals > -float("inf")
-    n_valid = valid.sum(1)
-    thr = torch.where(valid, vals, float("inf")).amin(1)
-    full = n_valid == k
-    eq_all = (scores == thr[:, None]).sum(1)
-    eq_sel = (valid & (vals == thr[:, None])).sum(1)
-    if bool((full & (eq_all > eq_sel)).any()):
-        return topk_pools_fast(scores, k, col0)
-    s = vals + 0.0
-    bits = s.view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    keys = (ordered << 32) | (0xFFFFFFFF - idx.clamp(min=0))
-    keys = keys.masked_fill_(~valid, _INVALID_KEY)
-    top = torch.sort(keys, dim=-1, descending=True).values
-    ok = top != _INVALID_KEY
-    pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
-    return pools.masked_fill_(~ok, -1), ok
+    thr = torch.where(valid, vals, float("inf")).amin(1, keepdim=True)
+    full = valid.sum(1) == k
+    eq_all = (scores == thr).sum(1)
+    eq_sel = (valid & (vals == thr)).sum(1)
+    if ordered:
+        s = vals + 0.0
+        bits = s.view(torch.int32).to(torch.int64)
+        keys = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | (0xFFFFFFFF - idx.clamp(min=0))
+        keys = keys.masked_fill_(~valid, _INVALID_KEY)
+        top = torch.sort(keys, dim=-1, descending=True).values
+        ok = top != _INVALID_KEY
+        pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
+    else:
+        ok = torch.sort(valid.to(torch.int8), dim=-1, descending=True, stable=True)
+        pools = torch.gather(idx, 1, ok.indices) + col0
+        ok = ok.values.bool()
+    pools = pools.masked_fill_(~ok, -1)
+    redo = torch.nonzero(full & (eq_all > eq_sel)).flatten()
+    if redo.numel():  # exact ties at the threshold: settle those rows by the exact rule
+        c0 = col0 if not isinstance(col0, torch.Tensor) else col0[redo]
+        fixed, fixed_ok = topk_pools_fast(scores[redo], k, c0)
+        pools[redo], ok[redo] = fixed, fixed_ok
+    return pools, ok
 
 
 def _radix_selector(k: int):
@@ -220,21 +228,22 @@ def _radix_selector(k: int):
     return getattr(mod, "sparse_index_topk", None) if mod is not None else None
 
 
-def select_pools(scores, visible, k: int, col0, ends=None) -> torch.Tensor:
+def select_pools(scores, visible, k: int, col0, ends=None, ordered: bool = True) -> torch.Tensor:
     """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` int64 pool ids, ``-1``.
 
     ``visible``: ``[R, N]`` bool, or ``None`` when ``scores`` already holds ``-inf`` at
     invisible cells; ``ends``: ``[R]`` end of each row's visible columns (optional).
     On CUDA: LMDeploy's radix selector with an exactness check when available
     (:func:`topk_pools_radix`), else the FP32 candidate path (:func:`topk_pools_fast`);
-    on CPU the int64-key path. All return the same ids by construction.
+    on CPU the int64-key path. All return the same ids by construction. ``ordered=False``
+    lets the radix path skip ranking the set (valid ids still come first).
     """
     if scores.device.type == "cuda":
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))
         selector = _radix_selector(k) if ends is not None else None
         if selector is not None:
-            return topk_pools_radix(scores, ends, k, col0, selector)[0]
+            return topk_pools_radix(scores, ends, k, col0, selector, ordered)[0]
         return topk_pools_fast(scores, k, col0)[0]
     if visible is None:
         visible = scores > -float("inf")

@@ -249,7 +249,7 @@ def select_rows(
             cols = torch.arange(hi - lo, device=device)
             visible = (cols[None] >= r_start[a - g0 : b - g0, None]) & (cols[None] < r_end[a - g0 : b - g0, None])
         with stage(problem, "select"):
-            pools = select_pools(scores, visible, k_sel, col0, row_ends)
+            pools = select_pools(scores, visible, k_sel, col0, row_ends, ordered=problem.order != "ascending")
         out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
     return out
 

@@ -131,28 +131,32 @@ class DeepGemmBackend(Backend):
         layout, a = self._layout_args(problem)
         k8, k_scale = pooled
         q8, wq = queries_fp8(q, w)
-        kv = (k8[lo:hi], k_scale[lo:hi])
+        # the kernel's TMA wants 16-byte aligned scale pointers: start the kv slice at a
+        # multiple of 4 pools and shift the row ranges and the returned columns to match
+        shift = lo % 4
+        kv = (k8[lo - shift : hi], k_scale[lo - shift : hi])
         n = hi - lo
+        ks, ke = starts + shift, ends + shift
         if layout == "legacy":
-            logits = fn(q8, kv, wq, starts, ends, clean_logits=True)
+            logits = fn(q8, kv, wq, ks, ke, clean_logits=True)
             width = n
         else:
             lens = ends - starts
             width = max(1, int(lens.max()))
             if fn.__name__ == "fp8_fp4_mqa_logits":
-                logits = fn((q8, None), kv, wq, starts, ends, clean_logits=False, max_seqlen_k=width)
+                logits = fn((q8, None), kv, wq, ks, ke, clean_logits=False, max_seqlen_k=width)
             else:
-                logits = fn(q8, kv, wq, starts, ends, clean_logits=False, max_seqlen_k=width)
+                logits = fn(q8, kv, wq, ks, ke, clean_logits=False, max_seqlen_k=width)
         have = logits.untyped_storage().nbytes()
-        bound = logits_bytes(q.shape[0], width if layout == "compact" else n, problem.heads, layout, a)
+        bound = logits_bytes(q.shape[0], width if layout == "compact" else n + shift, problem.heads, layout, a)
         if have > problem.max_logits_bytes or have > bound:
             raise RuntimeError(
                 f"deepgemm: logits storage {have} bytes exceeds the budget {problem.max_logits_bytes} "
                 f"or the predicted {bound} ({layout} layout, {q.shape[0]} rows x {width} columns)"
             )
-        scores = logits[:, :width]
         if layout == "legacy":
-            return scores
+            return logits[:, shift : shift + n]
+        scores = logits[:, :width]
         cols = torch.arange(width, device=q.device)
         scores = scores.masked_fill(cols[None] >= lens[:, None], -float("inf"))
         return scores, starts.to(torch.int64)

@@ -27,24 +27,27 @@ SUPPORTED_DIMS = (64, 128)
 _ENV_CONFIG = "SP_KPOOL_TILELANG_CONFIG"  # "block_n,num_stages,threads"
 
 
-def default_config(heads: int, dim: int) -> tuple[int, int, int]:
-    """``(block_n, num_stages, threads)``; ``$SP_KPOOL_TILELANG_CONFIG`` overrides."""
+def default_config(heads: int, dim: int) -> tuple[int, int, int, int]:
+    """``(block_n, num_stages, threads, block_q)``; ``$SP_KPOOL_TILELANG_CONFIG`` overrides
+    (``"block_n,num_stages,threads[,block_q]"``). Default from the H200 sweep in
+    ``benchmarks/results/``."""
     raw = os.environ.get(_ENV_CONFIG)
     if raw:
         try:
-            bn, st, th = (int(v) for v in raw.split(","))
+            vals = [int(v) for v in raw.split(",")]
+            bn, st, th = vals[:3]
+            bq = vals[3] if len(vals) > 3 else max(1, 128 // heads)
         except ValueError:
-            raise ValueError(f"{_ENV_CONFIG}: expected 'block_n,num_stages,threads', got {raw!r}") from None
-        return bn, st, th
-    return 128, 2, 256
+            raise ValueError(f"{_ENV_CONFIG}: expected 'block_n,num_stages,threads[,block_q]', got {raw!r}") from None
+        return bn, st, th, bq
+    return 256, 2, 256, max(1, 128 // heads)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int, warp_specialized: bool = True):
+def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int, block_q: int, warp_specialized: bool = True):
     import tilelang
     import tilelang.language as T
 
-    block_q = max(1, 128 // heads)
     configs = {} if warp_specialized else {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
     @tilelang.jit(pass_configs=configs)
@@ -99,7 +102,7 @@ def tilelang_scores(
     keys: torch.Tensor,
     starts: torch.Tensor,
     ends: torch.Tensor,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Scores of every query row against its pool range.
 
@@ -112,8 +115,9 @@ def tilelang_scores(
         ``[R, N]`` float32 scores, ``-inf`` outside each row's range.
     """
     R, H, D = q.shape
-    bn, st, th = config or default_config(H, D)
-    block_q = max(1, 128 // H)
+    cfg = tuple(config or default_config(H, D))
+    bn, st, th = cfg[:3]
+    block_q = cfg[3] if len(cfg) > 3 else max(1, 128 // H)
     Rp = -(-R // block_q) * block_q
     if Rp != R:  # whole row groups: pad with empty ranges
         pad = Rp - R
@@ -130,14 +134,14 @@ def tilelang_scores(
     blo = torch.minimum(blo, bhi).to(torch.int32)
     args = (q.reshape(Rp * H, D).contiguous(), keys.contiguous(), weights.contiguous(), starts.contiguous(),
             ends.contiguous(), blo.contiguous(), bhi.to(torch.int32).contiguous(), out)  # fmt: skip
-    _compiled(H, D, bn, st, th)(*args)
+    _compiled(H, D, bn, st, th, block_q)(*args)
     return out[:R]
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(H, D, bn, st, th):
+def _compiled(H, D, bn, st, th, bq):
     """The kernel, warp-specialized if this TileLang build compiles it so, else without."""
     try:
-        return _kernel(H, D, bn, st, th, True)[0]
+        return _kernel(H, D, bn, st, th, bq, True)[0]
     except Exception:  # noqa: BLE001 - a compiler failure of the specialized form
-        return _kernel(H, D, bn, st, th, False)[0]
+        return _kernel(H, D, bn, st, th, bq, False)[0]

@@ -174,3 +174,8 @@ def test_radix_selection_with_check_equals_exact(levels):
     masked = scores.masked_fill(~visible, -float("inf"))
     got, _ = topk_pools_radix(masked, ends, k, 3, _fake_radix_selector(levels))
     assert torch.equal(got, exact)
+    unordered, _ = topk_pools_radix(masked, ends, k, 3, _fake_radix_selector(levels + 1), ordered=False)
+    big = torch.iinfo(torch.int64).max
+    as_sets = [torch.sort(t.masked_fill(t < 0, big)).values for t in (unordered, exact)]
+    assert torch.equal(*as_sets)
+    assert torch.equal((unordered >= 0).sum(1), (exact >= 0).sum(1))
