@@ -8,9 +8,9 @@ import zlib
 import torch
 
 from .backends import Problem, resolve_backend
-from .backends.base import Backend, chunk_rows, default_max_logits_bytes, run_chunked
-from .balance import balanced_select, causal_partition, contiguous_partition, row_work_prefix
-from .comm import CommStats, StageTimer, agree_or_raise, all_gather_rows
+from .backends.base import default_max_logits_bytes, stage
+from .balance import balanced_select, causal_partition, row_work_prefix
+from .comm import CommStats, agree_or_raise, all_gather_rows
 from .pooling import pool_table
 from .precision import PRECISIONS, resolve_precision
 from .seams import gather_pools, pool_shards
@@ -110,29 +110,6 @@ def _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, pr
     ]
 
 
-class _ScoreTimed:
-    """A backend seen through a stopwatch: ``score`` calls are timed (synchronized), all
-    else is delegated. Same calls, same bits; used only when ``stats`` is asked for."""
-
-    def __init__(self, inner: Backend, timer: StageTimer) -> None:
-        self._inner, self._timer, self.seconds = inner, timer, 0.0
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def score(self, *args, **kwargs):
-        self._timer._sync()
-        t0 = self._timer._clock()
-        out = self._inner.score(*args, **kwargs)
-        self._timer._sync()
-        self.seconds += self._timer._clock() - t0
-        return out
-
-
-def _uses_shared_driver(backend: Backend) -> bool:
-    return type(backend).run is Backend.run
-
-
 @torch.no_grad()
 def kpool_topk(
     q: torch.Tensor,
@@ -208,7 +185,9 @@ def kpool_topk(
             (default: the scoring chunk of the backend, so no chunk is scored twice).
         stats: if a dict, it is filled with this rank's instrumented communication bytes
             (``bytes``: ``sent``, ``received``, ``by_tag``), per-stage wall seconds
-            (``time_s``; the device is synchronized between stages, so the call is slower),
+            (``time_s``: gather, seam, pool, balance_exchange, score, select,
+            balance_route, expand; the device is synchronized around each stage, so the
+            call is slower),
             the partition (``partition``) and the rows this rank scored. Never compared
             across ranks; only this rank's view.
 
@@ -232,7 +211,7 @@ def kpool_topk(
         if balance == "causal" and seq.world_size > 1:
             block = balance_block
             if block is None:  # global quantities only: the same on every rank
-                block = chunk_rows(problem, tables[0].numel(), chosen.score_bytes_per_cell(problem))
+                block = chosen.chunk_rows(problem, tables[0].numel())
             part = causal_partition(
                 seq.real_cu_seq_lens, kpool=kpool, world_size=seq.world_size, shard_size=seq.shard_size, block=block
             )
@@ -242,47 +221,36 @@ def kpool_topk(
         error = f"{type(exc).__name__}: {exc}"
     counter = CommStats() if stats is not None else None
     agree_or_raise(seq, error, _signature(q, seq, *options), stats=counter)
-    timer = StageTimer(problem.device) if stats is not None else None
-    driver = chosen if timer is None else _ScoreTimed(chosen, timer)
+    if stats is not None:  # the driver times its stages (device synchronized) into this dict
+        problem = dataclasses.replace(problem, stage_times={})
 
     pts = tables[0]
     if gather == "keys":
-        k_all = all_gather_rows(k, seq, stats=counter, tag="gather_keys")
-        gates_all = all_gather_rows(gates, seq, stats=counter, tag="gather_keys")
+        with stage(problem, "gather"):
+            k_all = all_gather_rows(k, seq, stats=counter, tag="gather_keys")
+            gates_all = all_gather_rows(gates, seq, stats=counter, tag="gather_keys")
         problem = dataclasses.replace(problem, k=k_all, gates=gates_all)
-        if timer is not None:
-            timer.mark("gather")
-        pooled = chosen.pool(problem, pts.to(problem.device)) if pts.numel() else None
-        if timer is not None:
-            timer.mark("pool")
+        with stage(problem, "pool"):
+            pooled = chosen.pool(problem, pts.to(problem.device)) if pts.numel() else None
     else:
         # problem.k / gates stay this rank's shards: with pooled given, nothing reads them.
-        pooled = gather_pools(chosen, problem, pts, stats=counter, timer=timer)
+        pooled = gather_pools(chosen, problem, pts, stats=counter)
 
     applied = part is not None and part.applied
-    staged = applied or (timer is not None and _uses_shared_driver(chosen))
-    if staged:
-        if part is None:  # the contiguous split, staged for timing
-            part = contiguous_partition(
-                seq.real_cu_seq_lens, kpool=kpool, world_size=seq.world_size, shard_size=seq.shard_size
-            )
-        out = balanced_select(driver, problem, pooled, tables, part, stats=counter, timer=timer)
+    if applied:
+        out = balanced_select(chosen, problem, pooled, tables, part, stats=counter)
     else:
         out = chosen.run(problem, pooled)
-        if timer is not None:
-            timer.mark("select")
     if stats is not None:
-        _fill_stats(stats, seq, kpool, gather, balance, applied, part, pts, counter, timer, driver if staged else None)
+        _fill_stats(stats, problem, gather, balance, part, pts, counter)
     return out
 
 
-def _fill_stats(stats, seq, kpool, gather, balance, applied, part, pts, counter, timer, driver) -> None:
-    times = dict(timer.seconds)
-    if driver is not None and "select" in times:  # the staged driver: split score off select
-        times["score"] = driver.seconds
-        times["select"] -= driver.seconds
+def _fill_stats(stats, problem, gather, balance, part, pts, counter) -> None:
+    seq, kpool = problem.seq, problem.kpool
+    applied = part is not None and part.applied
     n = seq.num_real_tokens
-    if part is not None:
+    if applied:
         lo, hi = part.bounds[seq.rank], part.bounds[seq.rank + 1]
     else:
         lo, hi = min(seq.shard_start, n), min(seq.shard_end, n)
@@ -292,7 +260,7 @@ def _fill_stats(stats, seq, kpool, gather, balance, applied, part, pts, counter,
         balance=balance,
         balance_applied=applied,
         bytes=counter.as_dict(),
-        time_s=times,
+        time_s=dict(problem.stage_times),
         partition=part.as_dict() if balance == "causal" and seq.world_size > 1 else None,
         rows_scored=(lo, hi),
         causal_pairs=int(pairs[hi] - pairs[lo]),

@@ -224,39 +224,16 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return (lo, max(lo, hi))
 
 
-def balanced_select(
-    backend: Any,
-    problem: Any,
-    pooled: Any,
-    tables: tuple[torch.Tensor, torch.Tensor],
-    part: CausalPartition,
-    *,
-    stats: CommStats | None = None,
-    timer: Any = None,
-) -> torch.Tensor:
-    """This rank's output ``[S_local, W]`` int32 under the compute ranges of ``part``.
+def _move_queries(problem, own, comp, stats):
+    """Queries and raw head weights of the compute range, gathered from their owners.
 
-    1. Queries and raw head weights move from the owning rank to the computing rank (one
-       ``batch_isend_irecv``; each row moves once, directly, possibly several ranks away).
-    2. The computing rank selects pools for its range with ``select_rows``.
-    3. The selected pool ids (int32) move back to the owner (one ``batch_isend_irecv``).
-    4. The owner expands, adds the tail and lays out its own rows (``assemble``).
-
-    ``timer`` (optional) gets ``mark(stage)`` calls: ``balance_exchange``, ``select``,
-    ``balance_route``, ``expand``.
-    """
-    from .backends.base import select_rows
-
-    seq, kpool, device = problem.seq, problem.kpool, problem.device
-    R, me, ss = seq.world_size, seq.rank, seq.shard_size
-    n_real = seq.num_real_tokens
-    own = [(min(r * ss, n_real), min((r + 1) * ss, n_real)) for r in range(R)]
-    comp = [(part.bounds[r], part.bounds[r + 1]) for r in range(R)]
-    H, D = problem.heads, problem.head_dim
+    Each owner sends the rows of its shard that another rank computes, packed as bytes
+    (one message per pair of ranks, all in one ``batch_isend_irecv``)."""
+    seq, device = problem.seq, problem.device
+    R, me = seq.world_size, seq.rank
     q, w = problem.q, problem.head_weights
+    H, D = problem.heads, problem.head_dim
     o_lo = own[me][0]
-
-    # 1. queries and head weights: owner -> computer, packed as bytes (one message a pair)
     _, layout = pack_rows([q[:0], w[:0]])
     row_bytes = H * D * q.element_size() + H * w.element_size()
     sends, recvs = {}, {}
@@ -270,8 +247,7 @@ def balanced_select(
         if b > a:
             recvs[peer] = (b - a, row_bytes)
     got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="balance_queries")
-    c_lo, c_hi = comp[me]
-    q_parts, w_parts = [], []
+    q_parts, w_parts = [q.new_empty((0, H, D))], [w.new_empty((0, H))]
     for peer in range(R):  # owners in rank order = global row order
         a, b = _overlap(own[peer], comp[me])
         if b <= a:
@@ -283,20 +259,16 @@ def balanced_select(
             qp, wp = unpack_rows(got[peer], layout)
             q_parts.append(qp)
             w_parts.append(wp)
-    q_comp = torch.cat(q_parts) if q_parts else q.new_empty((0, H, D))
-    w_comp = torch.cat(w_parts) if w_parts else w.new_empty((0, H))
-    if timer is not None:
-        timer.mark("balance_exchange")
+    return torch.cat(q_parts), torch.cat(w_parts)
 
-    # 2. select on the compute range
-    pools = select_rows(backend, problem, pooled, tables, c_lo, c_hi, q_comp, w_comp)
-    if timer is not None:
-        timer.mark("select")
 
-    # 3. selected pool ids: computer -> owner
-    if tables[0].numel() >= 2**31:
-        raise ValueError(f"balance: at most 2**31 - 1 pools supported, got {tables[0].numel()}")
-    k_sel = problem.topk // kpool
+def _route_pools(problem, pools, own, comp, stats):
+    """The selected pools ``[n, topk // K]`` of this rank's own rows, from their computers
+    (sent as int32, in one ``batch_isend_irecv``)."""
+    seq, device = problem.seq, problem.device
+    R, me = seq.world_size, seq.rank
+    c_lo = comp[me][0]
+    k_sel = problem.topk // problem.kpool
     sends, recvs = {}, {}
     for peer in range(R):
         if peer == me:
@@ -308,25 +280,56 @@ def balanced_select(
         if b > a:
             recvs[peer] = (b - a, k_sel)
     got = exchange_rows(sends, recvs, seq, dtype=torch.int32, device=device, stats=stats, tag="balance_pools")
-    mine = []
+    mine = [pools[:0]]
     for peer in range(R):  # computers in rank order = global row order
         a, b = _overlap(comp[peer], own[me])
-        if b <= a:
-            continue
-        mine.append(pools[a - c_lo : b - c_lo] if peer == me else got[peer].to(torch.int64))
-    if timer is not None:
-        timer.mark("balance_route")
+        if b > a:
+            mine.append(pools[a - c_lo : b - c_lo] if peer == me else got[peer].to(torch.int64))
+    return torch.cat(mine)
 
-    # 4. the owner expands and lays out its rows
+
+def balanced_select(
+    backend: Any,
+    problem: Any,
+    pooled: Any,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    part: CausalPartition,
+    *,
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """This rank's output ``[S_local, W]`` int32 under the compute ranges of ``part``.
+
+    1. Queries and raw head weights move from the owning rank to the computing rank (one
+       ``batch_isend_irecv``; each row moves once, directly, possibly several ranks away).
+    2. The computing rank selects pools for its range with ``select_rows``.
+    3. The selected pool ids (int32) move back to the owner (one ``batch_isend_irecv``).
+    4. The owner expands, adds the tail and lays out its own rows (``assemble``).
+
+    Stages timed into ``problem.stage_times`` (when set): ``balance_exchange``, ``score``
+    and ``select`` (by ``select_rows``), ``balance_route``, ``expand``.
+    """
+    from .backends.base import select_rows, stage
+
+    seq, kpool, device = problem.seq, problem.kpool, problem.device
+    R, ss, n_real = seq.world_size, seq.shard_size, seq.num_real_tokens
+    if tables[0].numel() >= 2**31:
+        raise ValueError(f"balance: at most 2**31 - 1 pools supported, got {tables[0].numel()}")
+    own = [(min(r * ss, n_real), min((r + 1) * ss, n_real)) for r in range(R)]
+    comp = [(part.bounds[r], part.bounds[r + 1]) for r in range(R)]
+    with stage(problem, "balance_exchange"):
+        q_comp, w_comp = _move_queries(problem, own, comp, stats)
+    c_lo, c_hi = comp[seq.rank]
+    pools = select_rows(backend, problem, pooled, tables, c_lo, c_hi, q_comp, w_comp)
+    with stage(problem, "balance_route"):
+        mine = _route_pools(problem, pools, own, comp, stats)
     width = output_width(problem.topk, kpool, problem.alignment)
     out = torch.full((ss, width), -1, dtype=torch.int32, device=device)
-    a, b = own[me]
+    a, b = own[seq.rank]
     if b > a:
-        meta = row_meta(torch.arange(a, b, device=device), seq.real_cu_seq_lens, tables[1], kpool)
-        out[: b - a] = assemble(
-            torch.cat(mine), meta, tables[0].to(device), topk=problem.topk, kpool=kpool,
-            tail=problem.tail, order=problem.order, alignment=problem.alignment,
-        )  # fmt: skip
-    if timer is not None:
-        timer.mark("expand")
+        with stage(problem, "expand"):
+            meta = row_meta(torch.arange(a, b, device=device), seq.real_cu_seq_lens, tables[1], kpool)
+            out[: b - a] = assemble(
+                mine, meta, tables[0].to(device), topk=problem.topk, kpool=kpool,
+                tail=problem.tail, order=problem.order, alignment=problem.alignment,
+            )  # fmt: skip
     return out

@@ -27,7 +27,6 @@ from .sharding import ShardedSequence
 
 __all__ = [
     "CommStats",
-    "StageTimer",
     "comm_device",
     "all_gather_rows",
     "all_gather_uneven_rows",
@@ -91,35 +90,6 @@ def comm_device(seq: ShardedSequence) -> torch.device:
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-class StageTimer:
-    """Wall seconds per stage of one call: ``mark(stage)`` closes the stage begun at the
-    previous mark (or at construction). On CUDA it synchronizes the device at each mark,
-    so only use it when timings are asked for."""
-
-    def __init__(self, device: torch.device) -> None:
-        import time
-
-        self._clock = time.perf_counter
-        self._cuda = torch.device(device).type == "cuda"
-        self.seconds: dict[str, float] = {}
-        self._sync()
-        self._t = self._clock()
-
-    def _sync(self) -> None:
-        if self._cuda:
-            torch.cuda.synchronize()
-
-    def mark(self, stage: str) -> None:
-        self._sync()
-        now = self._clock()
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + (now - self._t)
-        self._t = now
-
-    def add(self, stage: str, seconds: float) -> None:
-        """Move ``seconds`` already counted elsewhere into ``stage`` (see the score split)."""
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
 
 def _nbytes(x: torch.Tensor) -> int:

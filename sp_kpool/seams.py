@@ -72,35 +72,12 @@ def _as_list(pooled: Any) -> tuple[list[torch.Tensor], bool]:
     return list(pooled), True
 
 
-def gather_pools(
-    backend: Any,
-    problem: Any,
-    pool_tok_start: torch.Tensor,
-    *,
-    stats: CommStats | None = None,
-    timer: Any = None,
-) -> Any:
-    """Pooled keys of all ``P`` pools, built per shard and all-gathered.
-
-    Args:
-        backend: the resolved backend (its ``pool`` builds the local pools).
-        problem: the call, with ``k``/``gates`` this rank's ``[S_local, D]`` shards.
-        pool_tok_start: ``[P]`` int64 (CPU), the global pool table.
-        stats: bytes counter (tags ``seam`` and ``gather_pools``).
-        timer: optional, gets ``mark("seam")``, ``mark("pool")``, ``mark("gather")``.
-
-    Returns what ``backend.pool`` returns for all ``P`` pools (a ``[P, D]`` tensor, or a
-    tuple such as FP8 ``(k8 [P, D], k_scale [P])``), on ``problem.device``, or ``None``
-    when there is no complete pool at all.
-    """
-    seq, kpool, device = problem.seq, problem.kpool, problem.device
-    if pool_tok_start.numel() == 0:
-        return None
+def _seam_rows(problem: Any, shards: PoolShards, stats: CommStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This shard's keys and gates followed by the seam rows its last pool needs from the
+    right; sends the rows other ranks need from this shard (one ``batch_isend_irecv``)."""
+    seq, device = problem.seq, problem.device
     R, me, ss = seq.world_size, seq.rank, seq.shard_size
-    shards = pool_shards(pool_tok_start, shard_size=ss, world_size=R, kpool=kpool)
     lo = me * ss
-
-    # Seam rows: keys and gates this rank's last pool needs from the right.
     k, gates = problem.k, problem.gates
     _, layout = pack_rows([k[:0], gates[:0]])
     row_bytes = k.shape[1] * k.element_size() + gates.shape[1] * gates.element_size()
@@ -115,39 +92,70 @@ def gather_pools(
         if b > a:
             recvs[peer] = (b - a, row_bytes)
     got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="seam")
+    if not got:
+        return k, gates
     k_parts, g_parts = [k], [gates]
     for peer in sorted(got):  # peers to the right, in token order
         kp, gp = unpack_rows(got[peer], layout)
         k_parts.append(kp)
         g_parts.append(gp)
-    k_ext = torch.cat(k_parts) if len(k_parts) > 1 else k
-    g_ext = torch.cat(g_parts) if len(g_parts) > 1 else gates
-    if timer is not None:
-        timer.mark("seam")
+    return torch.cat(k_parts), torch.cat(g_parts)
 
-    # Local pools (positions relative to this shard).
-    a, b = shards.first[me], shards.first[me + 1]
-    if b > a:
-        local = (pool_tok_start[a:b] - lo).to(device)
-        pooled = backend.pool(dataclasses.replace(problem, k=k_ext, gates=g_ext), local)
-    else:
-        # No pool starts here: pool one zero pool for the representation, keep none of it.
-        zk = k.new_zeros((kpool, k.shape[1]))
-        zg = gates.new_zeros((kpool, gates.shape[1]))
-        one = torch.zeros(1, dtype=torch.int64, device=device)
-        pooled = backend.pool(dataclasses.replace(problem, k=zk, gates=zg), one)
-        parts, is_seq = _as_list(pooled)
-        parts = [t[:0] for t in parts]
-        pooled = type(pooled)(parts) if is_seq else parts[0]
-    if timer is not None:
-        timer.mark("pool")
 
-    if R > 1:
+def _pool_local(backend: Any, problem: Any, k_ext, g_ext, local: torch.Tensor) -> Any:
+    """``backend.pool`` of the pools at rows ``local`` of ``k_ext``/``g_ext``. With no pool
+    here, one zero pool is built for the representation (dtypes, widths) and dropped, so
+    that every rank contributes rows of the same layout to the all-gather."""
+    if local.numel():
+        return backend.pool(dataclasses.replace(problem, k=k_ext, gates=g_ext), local)
+    kpool, device = problem.kpool, problem.device
+    zk = k_ext.new_zeros((kpool, k_ext.shape[1]))
+    zg = g_ext.new_zeros((kpool, g_ext.shape[1]))
+    one = torch.zeros(1, dtype=torch.int64, device=device)
+    pooled = backend.pool(dataclasses.replace(problem, k=zk, gates=zg), one)
+    parts, is_seq = _as_list(pooled)
+    parts = [t[:0] for t in parts]
+    return type(pooled)(parts) if is_seq else parts[0]
+
+
+def gather_pools(
+    backend: Any,
+    problem: Any,
+    pool_tok_start: torch.Tensor,
+    *,
+    stats: CommStats | None = None,
+) -> Any:
+    """Pooled keys of all ``P`` pools, built per shard and all-gathered.
+
+    Args:
+        backend: the resolved backend (its ``pool`` builds the local pools).
+        problem: the call, with ``k``/``gates`` this rank's ``[S_local, D]`` shards.
+        pool_tok_start: ``[P]`` int64 (CPU), the global pool table.
+        stats: bytes counter (tags ``seam`` and ``gather_pools``).
+
+    Returns what ``backend.pool`` returns for all ``P`` pools (a ``[P, D]`` tensor, or a
+    tuple such as FP8 ``(k8 [P, D], k_scale [P])``), on ``problem.device``, or ``None``
+    when there is no complete pool at all. Stages timed into ``problem.stage_times`` (when
+    set): ``seam``, ``pool``, ``gather``.
+    """
+    from .backends.base import stage
+
+    seq = problem.seq
+    if pool_tok_start.numel() == 0:
+        return None
+    R, me, ss = seq.world_size, seq.rank, seq.shard_size
+    shards = pool_shards(pool_tok_start, shard_size=ss, world_size=R, kpool=problem.kpool)
+    with stage(problem, "seam"):
+        k_ext, g_ext = _seam_rows(problem, shards, stats)
+    with stage(problem, "pool"):
+        a, b = shards.first[me], shards.first[me + 1]
+        local = (pool_tok_start[a:b] - me * ss).to(problem.device)
+        pooled = _pool_local(backend, problem, k_ext, g_ext, local)
+    if R == 1:
+        return pooled
+    with stage(problem, "gather"):
         parts, is_seq = _as_list(pooled)
-        buf, playout = pack_rows(parts)  # one collective for values and scales
+        buf, layout = pack_rows(parts)  # one collective for values and scales
         full = all_gather_uneven_rows(buf, shards.counts, seq, stats=stats, tag="gather_pools")
-        parts = unpack_rows(full, playout)
-        pooled = type(pooled)(parts) if is_seq else parts[0]
-    if timer is not None:
-        timer.mark("gather")
-    return pooled
+        parts = unpack_rows(full, layout)
+    return type(pooled)(parts) if is_seq else parts[0]
