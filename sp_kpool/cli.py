@@ -1,4 +1,5 @@
-"""``python -m sp_kpool``: ``info`` (backends and why), ``demo`` (a checked sharded run)."""
+"""``python -m sp_kpool``: ``info`` (backends and why), ``demo`` (a checked sharded run),
+``parity`` (replay a captured indexer call in two arms and compare)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,48 @@ def _demo_rank(rank, world_size, lengths, args):
     )
 
 
+def _cmd_parity(args) -> int:
+    import tempfile
+
+    from .parity import Arm, format_table, make_synthetic_capture, replay, stderr_progress, write_outputs
+
+    progress = None if args.quiet else stderr_progress
+    try:
+        a, b = Arm.parse(args.a), Arm.parse(args.b)
+        with tempfile.TemporaryDirectory(prefix="sp_kpool_parity_") as tmp:
+            capture = args.capture
+            if args.synthetic:
+                if capture is not None:
+                    raise ValueError(f"CAPTURE: not allowed with --synthetic (it writes its own), got {capture!r}")
+                if not 0 <= args.rank < args.world_size:
+                    raise ValueError(f"--rank: expected in [0, {args.world_size}), got {args.rank}")
+                where = args.capture_dir or (f"{args.out}/capture" if args.out else tmp)
+                if progress:
+                    progress(
+                        f"[parity] writing a synthetic capture to {where}: {args.tokens} tokens in {args.docs} "
+                        f"document(s), {args.world_size} rank(s), hidden {args.hidden_size}, q_lora_rank "
+                        f"{args.q_lora_rank}, H={args.heads} D={args.head_dim} K={args.kpool} T={args.topk}"
+                    )
+                paths = make_synthetic_capture(
+                    where, tokens=args.tokens, docs=args.docs, world_size=args.world_size,
+                    hidden_size=args.hidden_size, q_lora_rank=args.q_lora_rank, heads=args.heads,
+                    head_dim=args.head_dim, topk=args.topk, kpool=args.kpool, precision=args.capture_precision,
+                    device=args.device, seed=args.seed,
+                )  # fmt: skip
+                capture = str(paths[args.rank])
+            elif capture is None:
+                raise ValueError("CAPTURE: expected a capture file (or --synthetic), got none")
+            report = replay(capture, a, b, device=args.device, repeat=not args.no_repeat, progress=progress)
+        print(format_table(report))
+        if args.out:
+            for p in write_outputs(report, args.out, plots=not args.no_plots):
+                print(f"wrote {p}")
+    except (ValueError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sp_kpool", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -87,8 +130,38 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--topk", type=int, default=256)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--timeout", type=float, default=300.0)
+    par = sub.add_parser(
+        "parity",
+        help="replay a captured indexer call in two arms (precision[:backend]) and compare them",
+        description="Recompute a capture (sp_kpool.capture) in arms A and B on identical inputs and print "
+        "a table; with --out also parity.json, parity.txt and two PNG plots. An arm is precision[:backend], "
+        "precision in bf16, bf16-serving, fp8; backend defaults to auto.",
+    )
+    par.add_argument("capture", nargs="?", metavar="CAPTURE", help="a capture file (other ranks' files are read from its directory)")
+    par.add_argument("--a", default="fp8", help="arm A (default fp8)")
+    par.add_argument("--b", default="bf16-serving", help="arm B, the reference of relative errors (default bf16-serving)")
+    par.add_argument("--out", help="directory for parity.json, parity.txt, the PNGs (and the synthetic capture)")
+    par.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    par.add_argument("--no-repeat", action="store_true", help="skip the second run of each arm (determinism check)")
+    par.add_argument("--no-plots", action="store_true")
+    par.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    syn = par.add_argument_group("synthetic capture (--synthetic: random weights and inputs, real shapes)")
+    syn.add_argument("--synthetic", action="store_true")
+    syn.add_argument("--capture-dir", help="where the synthetic capture goes (default OUT/capture, else a temporary directory)")
+    syn.add_argument("--tokens", type=int, default=4096)
+    syn.add_argument("--docs", type=int, default=1)
+    syn.add_argument("--world-size", type=int, default=1)
+    syn.add_argument("--rank", type=int, default=0, help="which rank's file to replay")
+    syn.add_argument("--hidden-size", type=int, default=4096)
+    syn.add_argument("--q-lora-rank", type=int, default=1536)
+    syn.add_argument("--heads", type=int, default=32)
+    syn.add_argument("--head-dim", type=int, default=128)
+    syn.add_argument("--topk", type=int, default=2048)
+    syn.add_argument("--kpool", type=int, default=4)
+    syn.add_argument("--capture-precision", default="bf16", help="precision of the simulated live call")
+    syn.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    return {"info": _cmd_info, "demo": _cmd_demo}[args.cmd](args)
+    return {"info": _cmd_info, "demo": _cmd_demo, "parity": _cmd_parity}[args.cmd](args)
 
 
 if __name__ == "__main__":

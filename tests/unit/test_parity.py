@@ -1,13 +1,24 @@
-"""Capture a live indexer call to safetensors and read it back."""
+"""Capture a live indexer call, replay it in two arms, and check the reported numbers
+against values computed here, independently, on a small input."""
+
+import json
+import math
 
 import pytest
 import torch
 
-from sp_kpool import KPoolIndexer, ShardedSequence
-from sp_kpool.capture import CaptureError, enable, load_capture
+from sp_kpool import KPoolIndexer, ShardedSequence, kpool_topk, serving
+from sp_kpool.backends import BACKENDS
+from sp_kpool.backends.torch_backend import TorchBackend
+from sp_kpool.capture import CaptureError, enable, load_capture, load_capture_set
+from sp_kpool.cli import main
+from sp_kpool.parity import Arm, format_table, make_synthetic_capture, replay, write_outputs
+from sp_kpool.testing.dist import run_ranks
 
 HIDDEN, Q_LORA, H, D, K, T = 32, 24, 8, 16, 4, 16  # D a power of two (fp8); H >= 8 (SPEC 10)
 LENGTHS = [37, 22, 9]  # 68 tokens: partial pools, a document too short for a Top-K choice
+#: Relative agreement of our float64 recomputation with the FP32 values in the report.
+REL = 1e-4
 
 
 def _indexer(precision="bf16", dtype=torch.bfloat16, **kw):
@@ -61,6 +72,9 @@ def test_capture_round_trip_keeps_result_and_inputs(captured, tmp_path):
     assert (c.meta["precision"], c.meta["backend_resolved"], c.meta["topk"], c.meta["kpool"], c.meta["heads"]) == ("fp8", "torch", T, K, H)
     rebuilt = c.indexer("cpu")
     assert rebuilt._capture is None and all(torch.equal(rebuilt.state_dict()[n], state[n]) for n in state)
+    rep = replay(path, "fp8:torch", "bf16", repeat=False)
+    assert rep["arms"]["A"]["reproduces_captured_ids"] is True
+    assert rep["arms"]["B"]["reproduces_captured_ids"] is None  # not the captured arm
 
 
 def test_environment_variable_turns_capture_on(tmp_path, monkeypatch):
@@ -78,6 +92,257 @@ def test_environment_variable_turns_capture_on(tmp_path, monkeypatch):
     monkeypatch.setenv("SP_KPOOL_CAPTURE_CALLS", "many")
     with pytest.raises(ValueError, match="SP_KPOOL_CAPTURE_CALLS: expected a non-negative integer, got 'many'"):
         _indexer("bf16")
+
+
+# ---------------------------------------------------------------- independent numbers
+
+
+def _sylvester(d):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
+def _pools_and_scores(prep, precision, starts):
+    """Pools in model space (float64) and all-pairs scores (float64), written out here."""
+    k, gates, ape, q, w = prep["k"], prep["gates"], prep["ape"], prep["q"], prep["head_weights"]
+    idx = torch.tensor(starts)[:, None] + torch.arange(K)
+    if precision == "bf16":  # model arithmetic: FP32 softmax, weighted sum in the key dtype
+        probs = (gates[idx].float() + ape.float()).softmax(1).to(k.dtype)
+        pools = (probs * k[idx]).sum(1).double()
+    else:
+        pools = serving.compress_pools_decode(k, gates, ape, torch.tensor(starts)).to(torch.bfloat16).double()
+    if precision == "fp8":
+        k8, ks = serving.prepare_pools_fp8(k, gates, ape, torch.tensor(starts))
+        q8, wq = serving.prepare_queries_fp8(q, w)
+        deq = k8.double() * ks.double()[:, None]
+        s = torch.relu(torch.einsum("thd,pd->thp", q8.double(), k8.double()))
+        scores = torch.einsum("th,thp->tp", wq.double(), s) * ks.double()
+        return deq @ _sylvester(D), deq, scores  # rotated back (Sylvester H is symmetric)
+    s = torch.relu(torch.einsum("thd,pd->thp", q.double(), pools) * D**-0.5)
+    return pools, pools @ _sylvester(D), torch.einsum("th,thp->tp", w.double() * H**-0.5, s)
+
+
+def _history_sets(ids, cu):
+    """Per row, the history token ids (row minus its tail) -- Jaccard over these equals
+    Jaccard over pools, since pools are disjoint blocks of K tokens."""
+    out = []
+    for t, row in enumerate(ids.tolist()):
+        start = max(c for c in cu if c <= t and c < cu[-1])
+        tail = set(range(t - (t - start + 1) % K + 1, t + 1))
+        out.append({v for v in row if v >= 0} - tail)
+    return out
+
+
+@pytest.mark.parametrize("arm_a, arm_b", [("fp8", "bf16-serving"), ("fp8", "bf16")])
+def test_reported_numbers_match_an_independent_computation(captured, arm_a, arm_b):
+    path, _, m, hidden, q_resid = captured
+    rep = replay(path, arm_a, arm_b, device="cpu")
+    cu = _cu(LENGTHS)
+    starts = [c0 + K * i for c0, n in zip(cu, LENGTHS) for i in range(n // K)]
+    rows_j = [(t, t - max(c for c in cu[:-1] if c <= t)) for t in range(cu[-1])]
+    valid = torch.zeros(cu[-1], len(starts), dtype=torch.bool)
+    first_pool = {c0: sum(n // K for n in LENGTHS[:d]) for d, c0 in enumerate(cu[:-1])}
+    for t, j in rows_j:
+        p0 = first_pool[t - j]
+        valid[t, p0 : p0 + (j + 1) // K] = True
+    want_slots = sum((j + 1) // K for _, j in rows_j)
+    assert int(valid.sum()) == want_slots
+    for arm in ("A", "B"):
+        assert rep["arms"][arm]["valid_slots"] == want_slots
+        assert rep["arms"][arm]["nan_in_valid_slots"] == rep["arms"][arm]["inf_in_valid_slots"] == 0
+        assert rep["arms"][arm]["repeat_bitwise_equal"]["all"] is True
+
+    prep = {p: m.prepare(hidden, q_resid, p) for p in (arm_a, arm_b)}
+    model_a, rot_a, sa = _pools_and_scores(prep[arm_a], arm_a, starts)
+    model_b, rot_b, sb = _pools_and_scores(prep[arm_b], arm_b, starts)
+    d = rep["diff"]
+    assert d["pools_model_space"]["max_abs"] == pytest.approx(float((model_a - model_b).abs().max()), rel=REL)
+    assert d["pools_model_space"]["rel_l2"] == pytest.approx(float((model_a - model_b).norm() / model_b.norm()), rel=REL)
+    assert d["pools_rotated_space"]["rel_l2"] == pytest.approx(float((rot_a - rot_b).norm() / rot_b.norm()), rel=REL)
+    diff = (sa - sb)[valid]
+    assert d["scores"]["compared"] == want_slots
+    assert d["scores"]["rel_l2"] == pytest.approx(float(diff.norm() / sb[valid].norm()), rel=REL)
+    assert d["scores"]["max_abs"] == pytest.approx(float(diff.abs().max()), rel=REL)
+    for name in ("k", "head_weights"):
+        x, y = prep[arm_a][name].double(), prep[arm_b][name].double()
+        s = d["keys" if name == "k" else "head_weights"]
+        assert s["differing"] == int((x != y).sum())
+        assert s["max_abs"] == pytest.approx(float((x - y).abs().max()), rel=1e-6)
+    # (on CPU, BF16 LayerNorm and Linear accumulate in FP32 as the serving preparation does,
+    # so keys and head weights often agree there; the pool statistics above are non-zero)
+
+    seq = ShardedSequence.split(cu, world_size=1, rank=0)
+    sets = {
+        p: _history_sets(kpool_topk(**prep[p], seq=seq, topk=T, kpool=K, precision=p, backend="torch"), cu)
+        for p in (arm_a, arm_b)
+    }
+    choice = [(j + 1) // K > T // K for _, j in rows_j]
+    differ = [a != b for a, b in zip(sets[arm_a], sets[arm_b])]
+    jac = [len(a & b) / len(a | b) for a, b, c in zip(sets[arm_a], sets[arm_b], choice) if c]
+    t = d["topk"]
+    assert (t["rows"], t["rows_with_choice"], t["rows_differing"]) == (cu[-1], sum(choice), sum(differ))
+    assert sum(differ) > 0  # the case is not vacuous: fp8 flips some selections
+    assert not any(x and not c for x, c in zip(differ, choice))  # only rows with a choice can differ
+    assert t["fraction_of_rows_with_choice"] == pytest.approx(sum(differ) / sum(choice))
+    assert t["jaccard_rows_with_choice"]["min"] == pytest.approx(min(jac))
+    assert t["jaccard_rows_with_choice"]["mean"] == pytest.approx(sum(jac) / len(jac))
+    assert rep["per_query"]["jaccard"] == pytest.approx([len(a & b) / len(a | b) if a | b else 1.0 for a, b in zip(sets[arm_a], sets[arm_b])])
+    assert d["ids_bitwise_equal"] is False
+
+    table = format_table(rep)
+    assert f"{want_slots:,}" in table
+    assert f"queries whose Top-K pool sets differ" in table and f"{sum(differ)} (" in table
+    assert f"{d['scores']['rel_l2']:.4g}" in table
+    assert "pools, rotated space (as fp8 stores them)" in table and "fp8 rotated back" in table
+
+
+def test_identical_arms_give_zero_differences_and_bitwise_equal(captured, tmp_path):
+    path = captured[0]
+    rep = replay(path, "fp8", "fp8:torch")
+    d = rep["diff"]
+    assert d["ids_bitwise_equal"] and d["pools_bitwise_equal"] and d["queries_bitwise_equal"]
+    for s in (d["keys"], d["head_weights"], d["pools_model_space"], d["pools_rotated_space"], d["scores"]):
+        assert s["max_abs"] == 0 and s["rel_l2"] == 0
+    assert d["scores"]["bitwise_equal_slots"] == d["scores"]["compared"] == rep["arms"]["A"]["valid_slots"] > 0
+    assert d["topk"]["rows_differing"] == 0 and set(rep["per_query"]["jaccard"]) == {1.0}
+    assert rep["arms"]["A"]["reproduces_captured_ids"] and rep["arms"]["B"]["reproduces_captured_ids"]
+    table = format_table(rep)
+    assert "ids bitwise equal (whole output)" in table
+    flags = [ln.split()[-1] for ln in table.splitlines() if "bitwise equal" in ln and "slots" not in ln]
+    assert flags == ["yes"] * 6 and "NO" not in table.split()
+    files = write_outputs(rep, tmp_path / "out")
+    assert sorted(p.name for p in files) == ["overlap_vs_position.png", "parity.json", "parity.txt", "score_diff_hist.png"]
+    assert json.loads((tmp_path / "out" / "parity.json").read_text())["diff"]["ids_bitwise_equal"] is True
+    assert (tmp_path / "out" / "score_diff_hist.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _CompactTorch(TorchBackend):
+    """A backend registered by name later (as GPU backends are): torch scores returned in
+    request-local columns, ``-inf`` outside each row's range, optionally a NaN in the first
+    valid slot of every row."""
+
+    name = "compact-test"
+    masks_scores = True
+
+    def __init__(self, poison=False):
+        self.poison = poison
+
+    def score(self, problem, pooled, q, w, lo, hi, starts, ends):
+        full = super().score(problem, pooled, q, w, lo, hi)
+        lens = (ends - starts).long()
+        W = max(1, int(lens.max()))
+        cols = torch.arange(W)
+        local = torch.gather(full, 1, (starts.long()[:, None] + cols).clamp(max=hi - lo - 1))
+        local = local.masked_fill(cols[None] >= lens[:, None], -math.inf)
+        if self.poison:
+            local[:, 0] = torch.where(lens > 0, math.nan, local[:, 0])
+        return local, starts.long()
+
+
+def test_backends_resolve_by_name_and_compact_columns_map_back(captured, monkeypatch):
+    monkeypatch.setitem(BACKENDS, "compact-test", _CompactTorch())
+    rep = replay(captured[0], "fp8:compact-test", "fp8:torch")
+    d, A = rep["diff"], rep["arms"]["A"]
+    assert A["backend"] == "compact-test" and A["repeat_bitwise_equal"]["all"]
+    assert d["scores"]["bitwise_equal_slots"] == d["scores"]["compared"] == A["valid_slots"] > 0
+    assert A["nan_in_valid_slots"] == A["inf_in_valid_slots"] == 0  # the -inf lie outside the valid slots
+    assert d["ids_bitwise_equal"] and d["topk"]["rows_differing"] == 0
+
+    monkeypatch.setitem(BACKENDS, "compact-test", _CompactTorch(poison=True))
+    rep = replay(captured[0], "fp8:compact-test", "fp8:torch", repeat=False)
+    rows_with_pools = sum(1 for n in LENGTHS for j in range(n) if (j + 1) // K > 0)
+    assert rep["arms"]["A"]["nan_in_valid_slots"] == rows_with_pools
+    assert rep["diff"]["scores"]["compared"] == rep["arms"]["A"]["valid_slots"] - rows_with_pools
+    (line,) = [ln for ln in format_table(rep).splitlines() if ln.startswith("NaN in valid slots")]
+    assert line.split()[-2:] == [f"{rows_with_pools:,}", "0"]
+
+
+class _Recording(TorchBackend):
+    name = "record-test"
+
+    def __init__(self):
+        self.calls = []
+
+    def score(self, problem, pooled, q, w, lo, hi, starts, ends):
+        self.calls.append((lo, hi, starts.clone(), ends.clone(), q.clone(), w.clone()))
+        return super().score(problem, pooled, q, w, lo, hi, starts, ends)
+
+
+def test_replayed_scores_are_the_drivers_own_calls(tmp_path, monkeypatch):
+    """The scores compared are those the selection ranked: replay makes the very
+    ``backend.score`` calls of ``select_rows`` (rank 1 of 2: foreign rows of a chunk are
+    zero with empty ranges)."""
+    rec = _Recording()
+    monkeypatch.setitem(BACKENDS, "record-test", rec)
+    kw = dict(tokens=90, hidden_size=HIDDEN, q_lora_rank=Q_LORA, heads=H, head_dim=D, topk=T, kpool=K)
+    monkeypatch.setenv("SP_KPOOL_MAX_LOGITS_BYTES", "3000")  # 6-row chunks: one straddles the shards
+    paths = make_synthetic_capture(tmp_path, world_size=2, **kw)
+    monkeypatch.delenv("SP_KPOOL_MAX_LOGITS_BYTES")  # the replay uses the captured budget
+    assert load_capture(paths[1]).meta["max_logits_bytes"] == 3000
+    rep = replay(paths[1], "fp8:record-test", "fp8:torch", repeat=False)
+    assert rep["diff"]["scores"]["bitwise_equal_slots"] == rep["diff"]["scores"]["compared"] > 0
+    n = len(rec.calls) // 2
+    assert n == 8 and len(rec.calls) == 2 * n  # rows [42, 90) in chunks of 6
+    for driver, ours in zip(rec.calls[:n], rec.calls[n:]):
+        assert driver[:2] == ours[:2]
+        assert all(torch.equal(x, y) for x, y in zip(driver[2:], ours[2:]))
+    first_ends = rec.calls[0][3]
+    assert first_ends[:3].tolist() == [0, 0, 0] and int(first_ends[3:].min()) > 0  # rows 42-44 belong to rank 0
+
+
+# ---------------------------------------------------------------- several ranks
+
+
+LIVE_LENGTHS = [37, 22, 8]  # 67 tokens on 2 ranks: padded to 68, the last row is padding
+
+
+def _live_rank(rank, world_size, directory):
+    m = _indexer("bf16-serving", capture_dir=directory)
+    hidden, q_resid = _inputs(sum(LIVE_LENGTHS))
+    seq = ShardedSequence.split(_cu(LIVE_LENGTHS), world_size=world_size, rank=rank)
+    a, b = seq.shard_start, seq.shard_end
+    pad = lambda x: torch.cat([x, x.new_zeros(seq.total_length - x.shape[0], x.shape[1])])[a:b]  # noqa: E731
+    return m(pad(hidden), pad(q_resid), seq)
+
+
+def test_live_multi_rank_capture_replays_each_rank(tmp_path):
+    world = 2
+    outs = run_ranks(_live_rank, world, (str(tmp_path),), timeout=120)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert [f.name.split(".")[1] for f in files] == [f"rank{r:03d}-of-{world:03d}" for r in range(world)]
+    m = _indexer("bf16-serving")
+    seq1 = ShardedSequence.split(_cu(LIVE_LENGTHS), world_size=1, rank=0)
+    ref = m(*_inputs(sum(LIVE_LENGTHS)), seq1)
+    for r, f in enumerate(files):
+        cap, caps = load_capture_set(f)
+        assert cap.rank == r and len(caps) == world and torch.equal(cap.ids, outs[r])
+        assert caps[0].meta["source"] == "live"
+        rep = replay(f, "bf16-serving:torch", "fp8", repeat=False)
+        assert rep["arms"]["A"]["reproduces_captured_ids"] is True
+        n = rep["capture"]["real_rows"]
+        assert torch.equal(outs[r][:n], ref[34 * r : 34 * r + n])  # SPEC 7: equal to world size 1
+    assert rep["capture"]["real_rows"] == 33  # the padding row is not a query
+    files[1].unlink()
+    with pytest.raises(CaptureError, match=r"rank 1 of 2 is needed .* does not exist"):
+        replay(files[0], "fp8", "bf16")
+
+
+def test_synthetic_multi_rank_capture_and_cli(tmp_path, capsys):
+    kw = dict(tokens=90, docs=2, hidden_size=HIDDEN, q_lora_rank=Q_LORA, heads=H, head_dim=D, topk=T, kpool=K)
+    paths = make_synthetic_capture(tmp_path / "cap", world_size=2, precision="fp8", **kw)
+    rep = replay(paths[1], "fp8", "bf16", repeat=False)
+    assert rep["capture"]["shard"] == [45, 90] and rep["arms"]["A"]["reproduces_captured_ids"] is True
+    argv = ["parity", "--synthetic", "--quiet", "--no-plots", "--device", "cpu", "--out", str(tmp_path / "cli")]
+    argv += ["--tokens", "90", "--hidden-size", str(HIDDEN), "--q-lora-rank", str(Q_LORA), "--heads", str(H)]
+    argv += ["--head-dim", str(D), "--topk", str(T), "--a", "bf16-serving", "--b", "bf16"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "A = bf16-serving:auto -> backend torch" in out and "wrote" in out
+    saved = json.loads((tmp_path / "cli" / "parity.json").read_text())
+    assert saved["capture"]["source"] == "synthetic" and saved["arms"]["B"]["precision"] == "bf16"
+    assert (tmp_path / "cli" / "capture" / "synthetic-call0000.rank000-of-001.safetensors").is_file()
 
 
 # ---------------------------------------------------------------- bad files and arms
@@ -101,11 +366,13 @@ def _damaged(path, tmp_path, how):
     ("header", "cannot be read as safetensors, the file is truncated or corrupted"),
     ("flipped", r"fails its checksum \(stored crc32 0x[0-9a-f]{8}, computed 0x[0-9a-f]{8}\): the file is corrupted"),
 ])  # fmt: skip
-def test_damaged_files_give_a_clear_error(captured, tmp_path, how, text):
+def test_damaged_files_give_a_clear_error(captured, tmp_path, capsys, how, text):
     bad = _damaged(captured[0], tmp_path, how)
     with pytest.raises(CaptureError, match=text) as err:
-        load_capture(bad)
+        replay(bad, "fp8", "bf16")
     assert str(err.value).startswith(f"{bad}: ")
+    assert main(["parity", str(bad), "--quiet"]) == 2
+    assert f"error: {bad}: " in capsys.readouterr().err
 
 
 def test_files_that_are_not_captures_give_a_clear_error(captured, tmp_path):
@@ -128,3 +395,11 @@ def test_files_that_are_not_captures_give_a_clear_error(captured, tmp_path):
     save_file({k: v for k, v in tensors.items() if k != "q_resid"}, str(edited), meta)
     with pytest.raises(CaptureError, match=r"missing tensors \['q_resid'\]"):
         load_capture(edited)
+
+
+def test_bad_arms():
+    assert Arm.parse("bf16-serving") == Arm("bf16-serving", "auto") and str(Arm.parse("fp8:torch")) == "fp8:torch"
+    with pytest.raises(ValueError, match=r"arm: expected precision\[:backend\] with precision in .*, got 'fp16'"):
+        Arm.parse("fp16")
+    with pytest.raises(ValueError, match=r"arm 'fp8:cuda': backend expected one of \['auto', 'torch'.*got 'cuda'"):
+        Arm.parse("fp8:cuda")

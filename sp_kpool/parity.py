@@ -1,0 +1,794 @@
+"""Replay a captured indexer call in two arithmetic/backend arms and compare them.
+
+An *arm* is ``precision[:backend]`` (``fp8``, ``bf16-serving:torch``, ``bf16:auto``); the
+backend defaults to ``auto`` and is resolved by name through
+:func:`sp_kpool.backends.resolve_backend`. For each arm, on identical inputs:
+
+1. preparation: ``KPoolIndexer.prepare(hidden, q_resid, precision)`` per rank file, under the
+   captured autocast state (so keys and head gates are FP32-prepared in the serving modes);
+   keys and gates of all ranks are concatenated (what the live all-gather returns),
+   queries and head weights are this rank's;
+2. pools: ``backend.pool`` (BF16 modes ``[P, D]``; ``fp8`` ``(k8 [P, D] e4m3, k_scale [P])``);
+3. ids: ``backend.run(problem, pooled)`` -- the operator's real driver on those pools;
+4. scores: the very ``backend.score`` calls the driver's ``select_rows`` makes (each arm
+   on its own chunk grid, aligned to global rows), so they are the values its Top-K
+   ranked; compared on the **valid causal slots** only, fixed by the sequence metadata
+   (row ``t`` at document position ``j`` sees the ``(j + 1) // K`` complete pools of its
+   document), never by which outputs are finite. Request-local (compact) score columns
+   are mapped back to absolute pool ids.
+
+Differences are ``A - B``; relative L2 is ``||A - B|| / ||B||``. Pools are compared after
+dequantizing FP8 (``k8.float() * k_scale``); FP8 pools live in the Hadamard-rotated basis,
+so they are compared both rotated back (``hadamard`` is orthonormal and its own inverse:
+"model space") and with the other arm rotated ("rotated space"). Top-K sets are the
+selected **history pools** of a row (the tail is the same in every arm); only rows with a
+choice (more visible pools than ``topk // K``) can differ. With ``repeat`` every arm's
+pools, scores and ids are computed twice and checked bitwise equal (determinism).
+
+Outputs: :func:`format_table`, a JSON-ready dict, and two PNG plots (per-query Jaccard
+overlap vs position; histogram of ``log10 |A - B|`` over valid score slots).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .backends import Problem, backend_names, resolve_backend
+from .capture import Capture, load_capture_set
+from .pooling import pool_table
+from .precision import PRECISIONS
+from .selection import row_meta
+from .serving import hadamard
+
+__all__ = [
+    "Arm",
+    "replay",
+    "format_table",
+    "write_outputs",
+    "make_synthetic_capture",
+    "gathered_problem",
+    "selected_pool_sets",
+    "stderr_progress",
+    "HIST_EDGES",
+]
+
+#: Bin edges of the ``log10 |A - B|`` histogram (exact zeros are counted apart).
+HIST_EDGES = (-12.0, 4.0, 160)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """``precision[:backend]``; ``backend`` defaults to ``auto``."""
+
+    precision: str
+    backend: str = "auto"
+
+    @classmethod
+    def parse(cls, text: str) -> "Arm":
+        precision, _, backend = str(text).partition(":")
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"arm: expected precision[:backend] with precision in {list(PRECISIONS)}, got {text!r}"
+            )
+        backend = backend or "auto"
+        if backend not in backend_names():
+            raise ValueError(f"arm {text!r}: backend expected one of {backend_names()}, got {backend!r}")
+        return cls(precision, backend)
+
+    def __str__(self) -> str:
+        return f"{self.precision}:{self.backend}"
+
+
+# --------------------------------------------------------------------------- arms
+
+
+@dataclass
+class _ArmRun:
+    arm: Arm
+    backend: Any
+    problem: Problem
+    pooled: Any
+    ids: torch.Tensor
+
+
+def _autocast(capture: Capture, device: torch.device):
+    state = capture.meta["autocast"]
+    if state == "off":
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=getattr(torch, state))
+
+
+def gathered_problem(captures: list[Capture], target: Capture, indexer, precision: str, device) -> Problem:
+    """The ``Problem`` that rank ``target.rank`` of the live call ran after its all-gather."""
+    m = target.meta
+    k_parts, g_parts, local = [], [], None
+    with _autocast(target, device):
+        for c in captures:
+            p = indexer.prepare(c.hidden.to(device), c.q_resid.to(device), precision)
+            k_parts.append(p["k"])
+            g_parts.append(p["gates"])
+            if c is target:
+                local = p
+    return Problem(
+        q=local["q"], head_weights=local["head_weights"], k=torch.cat(k_parts), gates=torch.cat(g_parts),
+        ape=local["ape"], seq=target.seq(), topk=m["topk"], kpool=m["kpool"], tail=m["tail"], order=m["order"],
+        alignment=m["alignment"], max_logits_bytes=m["max_logits_bytes"], precision=precision,
+    )  # fmt: skip
+
+
+def _run_arm(captures, target, indexer, arm: Arm, device, pts_dev, say) -> _ArmRun:
+    say(f"arm {arm}: preparing {len(captures)} rank file(s)")
+    problem = gathered_problem(captures, target, indexer, arm.precision, device)
+    backend = resolve_backend(arm.backend, problem)
+    say(f"arm {arm}: pooling and selecting with backend {backend.name}")
+    pooled = backend.pool(problem, pts_dev) if pts_dev.numel() else None
+    ids = backend.run(problem, pooled)
+    return _ArmRun(arm, backend, problem, pooled, ids)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A view of the raw bits (so NaN == NaN and -0.0 != +0.0)."""
+    t = t.contiguous()
+    size = t.element_size()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+
+
+def _bitwise_equal(a, b) -> bool:
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return (
+            isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+            and all(_bitwise_equal(x, y) for x, y in zip(a, b))
+        )  # fmt: skip
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _pools_fp32(pooled) -> torch.Tensor | None:
+    """Dequantized pools ``[P, D]`` FP32 in the arm's own basis (FP8: rotated)."""
+    if pooled is None:
+        return None
+    if isinstance(pooled, tuple):
+        k8, k_scale = pooled
+        return k8.float() * k_scale[:, None]
+    return pooled.float()
+
+
+def _diff_stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """Max |a - b|, ||a - b|| / ||b|| (float64 sums), elements differing, over finite pairs."""
+    a, b = a.float().reshape(-1), b.float().reshape(-1)
+    ok = torch.isfinite(a) & torch.isfinite(b)
+    d = (a[ok] - b[ok]).double()
+    nb = float(b[ok].double().square().sum().sqrt())
+    nd = float(d.square().sum().sqrt())
+    return {
+        "elements": int(a.numel()),
+        "non_finite_pairs": int((~ok).sum()),
+        "differing": int((a[ok] != b[ok]).sum()),
+        "max_abs": float(d.abs().max()) if d.numel() else 0.0,
+        "rel_l2": (nd / nb) if nb > 0 else (0.0 if nd == 0 else math.inf),
+    }
+
+
+def _start_to_pool(pool_tok_start: torch.Tensor, num_tokens: int, device) -> torch.Tensor:
+    """``[S + 1]`` int64: pool id of a pool's first token, ``-1`` elsewhere (and at index S)."""
+    m = torch.full((num_tokens + 1,), -1, dtype=torch.int64, device=device)
+    m[pool_tok_start.to(device)] = torch.arange(pool_tok_start.numel(), device=device)
+    return m
+
+
+def selected_pool_sets(ids: torch.Tensor, n_sel: torch.Tensor, start_to_pool: torch.Tensor, topk: int, kpool: int):
+    """``[R, topk // K]`` int64 ascending selected history pools (``-1`` for none, first).
+
+    History ids lie in columns ``[0, n_sel * K)`` in both tail layouts, pool by pool; a
+    pool's first column holds its first token. An id that is not a pool start maps to -1.
+    """
+    k_sel = topk // kpool
+    first = ids[:, 0 : k_sel * kpool : kpool].to(torch.int64)  # [R, k_sel]
+    col = torch.arange(k_sel, device=ids.device)
+    live = (col[None] < n_sel[:, None]) & (first >= 0)
+    tok = torch.where(live, first, torch.full_like(first, start_to_pool.numel() - 1))
+    pools = start_to_pool[tok]
+    return torch.sort(pools, dim=1).values
+
+
+def _overlap(pa: torch.Tensor, pb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row ``|A & B|``, ``|A|``, ``|B|`` of sorted pool-id rows (``-1`` = none)."""
+    na, nb = (pa >= 0).sum(1), (pb >= 0).sum(1)
+    if pa.shape[1] == 0:
+        return na, na, nb
+    idx = torch.searchsorted(pa, pb).clamp_max_(pa.shape[1] - 1)
+    hit = (torch.gather(pa, 1, idx) == pb) & (pb >= 0)
+    return hit.sum(1), na, nb
+
+
+class _Progress:
+    def __init__(self, sink: Callable[[str], None] | None, every_s: float = 2.0) -> None:
+        self.sink, self.every, self.t0, self.last = sink, every_s, time.perf_counter(), -1e9
+
+    def __call__(self, msg: str, force: bool = True) -> None:
+        now = time.perf_counter()
+        if self.sink is None or (not force and now - self.last < self.every):
+            return
+        self.last = now
+        self.sink(f"[parity {now - self.t0:7.1f} s] {msg}")
+
+
+def _device(device) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _pool_diffs(pooled_a, pooled_b) -> dict[str, Any]:
+    """Pool differences in model space (FP8 rotated back) and, with an FP8 arm, in the
+    rotated space FP8 stores (the other arm rotated)."""
+    fa, fb = _pools_fp32(pooled_a), _pools_fp32(pooled_b)
+    if fa is None:
+        return {"pools_model_space": None, "pools_rotated_space": None}
+    rot_a, rot_b = isinstance(pooled_a, tuple), isinstance(pooled_b, tuple)
+    out = {"pools_model_space": _diff_stats(hadamard(fa) if rot_a else fa, hadamard(fb) if rot_b else fb)}
+    out["pools_rotated_space"] = (
+        _diff_stats(fa if rot_a else hadamard(fa), fb if rot_b else hadamard(fb)) if rot_a or rot_b else None
+    )
+    return out
+
+
+def _absolute_columns(scores, width: int) -> torch.Tensor:
+    """A backend's scores as ``[C, width]`` absolute columns (``lo`` is column 0).
+
+    Request-local results ``(scores [C, W], offset [C])`` (column ``c`` of row ``r`` is
+    ``offset[r] + c``) are scattered into place; cells no column maps to are NaN.
+    """
+    if not isinstance(scores, tuple):
+        return scores.float()
+    local, offset = scores
+    C, W = local.shape
+    idx = offset.to(torch.int64)[:, None] + torch.arange(W, device=local.device)
+    ok = (idx >= 0) & (idx < width)
+    out = torch.full((C, width + 1), math.nan, dtype=torch.float32, device=local.device)
+    out.scatter_(1, torch.where(ok, idx, torch.full_like(idx, width)), local.float())  # misses -> dump column
+    return out[:, :width]
+
+
+def _valid_scores(r: _ArmRun, seq, offs, P: int, repeat: bool, stats: dict):
+    """Yield ``(row_lo, row_hi, values)`` over this shard's rows, chunk by chunk on the arm's
+    **own** chunk grid, making exactly the ``backend.score`` calls of the driver's
+    ``select_rows`` (same rows, zero-filled foreign rows, pool range, per-row ``starts`` /
+    ``ends``), so the values are the ones its selection ranked (a unit test records both
+    call sequences and requires them equal, so a driver change cannot go unnoticed). ``values`` holds the FP32
+    scores of the rows' valid causal slots, row-major (row ``t`` contributes ``(j + 1) // K``
+    values, pools ascending). Counts NaN/Inf into ``stats``; with ``repeat`` scores every
+    chunk twice and clears ``stats["same"]`` on any bitwise difference."""
+    p, b = r.problem, r.backend
+    K, dev, real_cu = p.kpool, p.device, seq.real_cu_seq_lens
+    own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
+    C = b.chunk_rows(p, P)
+    H, D = p.heads, p.head_dim
+    for g0 in range((own_lo // C) * C, own_hi, C):
+        g1 = min(g0 + C, seq.num_real_tokens)
+        a, e = max(g0, own_lo), min(g1, own_hi)  # rows of this chunk owned here
+        ends = row_meta(torch.tensor([g0, g1 - 1]), real_cu, offs, K)
+        lo, hi = int(ends.pool_lo[0]), int(ends.pool_hi[1])
+        if hi <= lo:
+            yield a, e, torch.zeros(0, dtype=torch.float32, device=dev)
+            continue
+        # as select_rows: every row of the global chunk, empty ranges for rows not owned here
+        meta = row_meta(torch.arange(g0, g0 + C, device=dev), real_cu, offs, K)
+        mine = torch.zeros(C, dtype=torch.bool, device=dev)
+        mine[a - g0 : e - g0] = True
+        r_start = torch.where(mine, (meta.pool_lo - lo).clamp(0, hi - lo), 0)
+        r_end = torch.maximum(r_start, torch.where(mine, (meta.pool_hi - lo).clamp(0, hi - lo), 0))
+        qc = p.q.new_zeros((C, H, D))
+        wc = p.head_weights.new_zeros((C, H))
+        qc[a - g0 : e - g0] = p.q[a - own_lo : e - own_lo]
+        wc[a - g0 : e - g0] = p.head_weights[a - own_lo : e - own_lo]
+        args = (p, r.pooled, qc, wc, lo, hi, r_start.to(torch.int32), r_end.to(torch.int32))
+        cols = torch.arange(hi - lo, device=dev)
+        visible = (cols[None] >= r_start[a - g0 : e - g0, None]) & (cols[None] < r_end[a - g0 : e - g0, None])
+        v = _absolute_columns(b.score(*args), hi - lo)[a - g0 : e - g0][visible]
+        if repeat and stats["same"]:
+            stats["same"] = _bitwise_equal(v, _absolute_columns(b.score(*args), hi - lo)[a - g0 : e - g0][visible])
+        stats["nan_in_valid_slots"] += int(torch.isnan(v).sum())
+        stats["inf_in_valid_slots"] += int(torch.isinf(v).sum())
+        yield a, e, v
+
+
+def _score_diffs(runs: dict[str, _ArmRun], seq, offs, n_visible: torch.Tensor, P: int, repeat: bool, say) -> dict[str, Any]:
+    """Both arms' scores on the valid causal slots, each on its own chunk grid, compared
+    row range by row range as both become available (memory: about one chunk per arm)."""
+    dev = runs["A"].problem.device
+    own_lo = seq.shard_start
+    n = n_visible.numel()
+    cum = torch.zeros(n + 1, dtype=torch.int64)
+    cum[1:] = torch.cumsum(n_visible.cpu(), 0)
+    stats = {name: {"nan_in_valid_slots": 0, "inf_in_valid_slots": 0, "same": True} for name in runs}
+    acc = {"sq_d": 0.0, "sq_b": 0.0, "max_abs": 0.0, "compared": 0, "equal": 0, "zero": 0}
+    lo_e, hi_e, nbins = HIST_EDGES
+    hist = torch.zeros(nbins, dtype=torch.float64, device=dev)
+    row_max_abs = torch.zeros(n, dtype=torch.float32, device=dev)
+    if n and P:
+        gens = {name: _valid_scores(r, seq, offs, P, repeat, stats[name]) for name, r in runs.items()}
+        pend = {name: torch.zeros(0, dtype=torch.float32, device=dev) for name in runs}
+        pend_end = {name: own_lo for name in runs}
+        done = own_lo
+        while done < own_lo + n:
+            for name in runs:
+                if pend_end[name] <= done:
+                    a, e, v = next(gens[name])
+                    assert a == pend_end[name], (name, a, pend_end[name])  # chunks tile the rows
+                    pend[name], pend_end[name] = torch.cat([pend[name], v]), e
+            end = min(pend_end.values())
+            cnt = int(cum[end - own_lo] - cum[done - own_lo])
+            va, vb = pend["A"][:cnt], pend["B"][:cnt]
+            pend = {name: t[cnt:] for name, t in pend.items()}
+            ok = torch.isfinite(va) & torch.isfinite(vb)
+            d = (va - vb)[ok]
+            ad = d.abs()
+            acc["sq_d"] += float(d.double().square().sum())
+            acc["sq_b"] += float(vb[ok].double().square().sum())
+            acc["compared"] += int(ok.sum())
+            acc["equal"] += int((_bits(va[ok]) == _bits(vb[ok])).sum())
+            acc["max_abs"] = max(acc["max_abs"], float(ad.max()) if ad.numel() else 0.0)
+            acc["zero"] += int((ad == 0).sum())
+            nz = ad[ad > 0]
+            if nz.numel():
+                hist += torch.histc(nz.log10().clamp(lo_e, hi_e - 1e-6), bins=nbins, min=lo_e, max=hi_e).double()
+            if cnt:
+                rows = torch.repeat_interleave(torch.arange(done - own_lo, end - own_lo), n_visible.cpu()[done - own_lo : end - own_lo])
+                per_slot = (va - vb).abs().nan_to_num(nan=math.inf)
+                row_max_abs.scatter_reduce_(0, rows.to(dev), per_slot, "amax")
+            done = end
+            say(f"scores: rows {done - own_lo}/{n} ({100 * (done - own_lo) / n:.0f}%)", force=done == own_lo + n)
+    valid_slots = int(cum[-1])
+    nb = math.sqrt(acc["sq_b"])
+    return {
+        "arms": {name: {"valid_slots": valid_slots, **{k: v for k, v in st.items() if k != "same"}} for name, st in stats.items()},
+        "repeat": {name: st["same"] for name, st in stats.items()},
+        "diff": {
+            "valid_slots": valid_slots,
+            "compared": acc["compared"],
+            "bitwise_equal_slots": acc["equal"],
+            "max_abs": acc["max_abs"],
+            "rel_l2": math.sqrt(acc["sq_d"]) / nb if nb > 0 else (0.0 if acc["sq_d"] == 0 else math.inf),
+        },
+        "hist": hist,
+        "zero": acc["zero"],
+        "row_max_abs": row_max_abs,
+    }
+
+
+def _topk_diffs(ids_a, ids_b, meta, start_to_pool, T: int, K: int):
+    """``(stats, choice [R] bool, jaccard [R] float64)`` of the selected history pool sets."""
+    n_sel = torch.clamp(meta.n_visible, max=T // K)
+    pa = selected_pool_sets(ids_a, n_sel, start_to_pool, T, K)
+    pb = selected_pool_sets(ids_b, n_sel, start_to_pool, T, K)
+    inter, na, nb = _overlap(pa, pb)
+    union = na + nb - inter
+    jac = torch.where(union > 0, inter.double() / union.clamp_min(1).double(), torch.ones_like(inter, dtype=torch.float64))
+    choice = meta.n_visible > T // K
+    differ = (inter != na) | (inter != nb)
+    n, n_choice, n_differ = int(ids_a.shape[0]), int(choice.sum()), int(differ.sum())
+    jc = jac[choice]
+    dist: dict[str, float] = {}
+    if jc.numel():
+        qs = {"min": 0.0, "p1": 0.01, "p5": 0.05, "p10": 0.10, "p50": 0.50}
+        vals = torch.quantile(jc, torch.tensor(list(qs.values()), dtype=jc.dtype, device=jc.device)).tolist()
+        dist = {**dict(zip(qs, vals)), "mean": float(jc.mean())}
+    stats = {
+        "rows": n,
+        "rows_with_choice": n_choice,
+        "rows_differing": n_differ,
+        "fraction_of_rows": n_differ / n if n else 0.0,
+        "fraction_of_rows_with_choice": n_differ / n_choice if n_choice else 0.0,
+        "selected_ids_not_pool_starts": {
+            "A": int(((pa < 0).sum(1) != (T // K - n_sel)).sum()),
+            "B": int(((pb < 0).sum(1) != (T // K - n_sel)).sum()),
+        },
+        "jaccard_rows_with_choice": dist,
+    }
+    return stats, choice, jac
+
+
+
+# --------------------------------------------------------------------------- replay
+
+
+@torch.no_grad()
+def replay(
+    path: str | os.PathLike,
+    a: Arm | str,
+    b: Arm | str,
+    *,
+    device: torch.device | str | None = None,
+    repeat: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Recompute the captured call of ``path``'s rank in arms ``a`` and ``b``; compare.
+
+    Returns a JSON-ready dict (see :func:`format_table` for what it holds); the per-query
+    arrays are under ``"per_query"``. ``progress`` receives progress lines (e.g. ``print``).
+    Raises :class:`sp_kpool.capture.CaptureError` for a bad capture, ``ValueError`` for a
+    bad arm or a backend that cannot run it.
+    """
+    a = a if isinstance(a, Arm) else Arm.parse(a)
+    b = b if isinstance(b, Arm) else Arm.parse(b)
+    dev = _device(device)
+    say = _Progress(progress)
+    say(f"reading {path}")
+    target, captures = load_capture_set(path)
+    m = target.meta
+    seq = target.seq()
+    K, T = m["kpool"], m["topk"]
+    real_cu = seq.real_cu_seq_lens
+    pts, offs = pool_table(real_cu, K)
+    P = pts.numel()
+    pts_dev = pts.to(dev)
+    indexer = target.indexer(dev)
+    say(
+        f"rank {target.rank}/{target.world_size}: {seq.shard_size} rows, {P} pools, H={m['heads']} "
+        f"D={indexer.head_dim} K={K} T={T}; {len(captures)} file(s) on {dev}"
+    )
+
+    runs: dict[str, _ArmRun] = {}
+    arm_info: dict[str, dict[str, Any]] = {}
+    for name, arm in (("A", a), ("B", b)):
+        t0 = time.perf_counter()
+        runs[name] = r = _run_arm(captures, target, indexer, arm, dev, pts_dev, say)
+        info = {"arm": str(arm), "precision": arm.precision, "backend": r.backend.name}
+        captured_arm = arm.precision == m["precision"] and r.backend.name == m["backend_resolved"]
+        info["reproduces_captured_ids"] = bool(torch.equal(r.ids.cpu(), target.ids)) if captured_arm else None
+        if repeat:
+            say(f"arm {arm}: repeating pools and ids")
+            info["repeat_bitwise_equal"] = {
+                "pools": _bitwise_equal(r.pooled, r.backend.pool(r.problem, pts_dev) if P else None),
+                "ids": _bitwise_equal(r.ids, r.backend.run(r.problem)),
+            }
+        arm_info[name] = info
+        say(f"arm {name} = {arm} (backend {r.backend.name}): pools and ids in {time.perf_counter() - t0:.2f} s")
+    ra, rb = runs["A"], runs["B"]
+
+    own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
+    n = max(0, own_hi - own_lo)
+    rows = torch.arange(own_lo, own_lo + n, device=dev)
+    meta = row_meta(rows, real_cu, offs, K)
+
+    diff: dict[str, Any] = {
+        "keys": _diff_stats(ra.problem.k, rb.problem.k),
+        "head_weights": _diff_stats(ra.problem.head_weights[:n], rb.problem.head_weights[:n]),
+        "queries_bitwise_equal": _bitwise_equal(ra.problem.q[:n], rb.problem.q[:n]),
+        "pools_bitwise_equal": _bitwise_equal(ra.pooled, rb.pooled),
+        "ids_bitwise_equal": _bitwise_equal(ra.ids, rb.ids),
+        **_pool_diffs(ra.pooled, rb.pooled),
+    }
+    sc = _score_diffs(runs, seq, offs, meta.n_visible, P, repeat, say)
+    for name in ("A", "B"):
+        arm_info[name].update(sc["arms"][name])
+        if repeat:
+            rbe = arm_info[name]["repeat_bitwise_equal"]
+            rbe["scores"] = sc["repeat"][name]
+            rbe["all"] = all(rbe.values())
+    diff["scores"] = sc["diff"]
+    stp = _start_to_pool(pts, seq.total_length, dev)
+    topk, choice, jac = _topk_diffs(ra.ids[:n], rb.ids[:n], meta, stp, T, K)
+    diff["topk"] = topk
+    lo_e, hi_e, nbins = HIST_EDGES
+    edges = torch.linspace(lo_e, hi_e, nbins + 1).tolist()
+    report = {
+        "capture": {
+            "path": str(target.path),
+            "files": [str(c.path) for c in captures],
+            "rank": target.rank,
+            "world_size": target.world_size,
+            "shard": [seq.shard_start, seq.shard_end],
+            "real_rows": n,
+            "num_pools": P,
+            "heads": m["heads"],
+            "head_dim": indexer.head_dim,
+            "kpool": K,
+            "topk": T,
+            "tail": m["tail"],
+            "order": m["order"],
+            "precision": m["precision"],
+            "backend": m["backend_resolved"],
+            "device": m["device"],
+            "autocast": m["autocast"],
+            "source": m["source"],
+        },
+        "replay": {
+            "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "repeat": repeat,
+            "seconds": None,
+        },
+        "arms": arm_info,
+        "diff": diff,
+        "histogram": {"log10_abs_diff_edges": edges, "counts": sc["hist"].cpu().tolist(), "exact_zero": sc["zero"]},
+        "per_query": {
+            "row": rows.cpu().tolist(),
+            "doc_position": (rows.cpu() - real_cu[torch.searchsorted(real_cu, rows.cpu(), right=True) - 1]).tolist(),
+            "has_choice": choice.cpu().tolist(),
+            "jaccard": jac.cpu().tolist(),
+            "score_max_abs_diff": sc["row_max_abs"].cpu().tolist(),
+        },
+    }
+    report["replay"]["seconds"] = round(time.perf_counter() - say.t0, 3)
+    say("done")
+    return report
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _g(x: Any) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        return "0" if x == 0 else f"{x:.4g}"
+    return str(x)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as an aligned text table."""
+    c, arms, d = report["capture"], report["arms"], report["diff"]
+    A, B = arms["A"], arms["B"]
+    lines = [
+        f"sp_kpool parity: {Path(c['path']).name}  (rank {c['rank']}/{c['world_size']}, rows "
+        f"[{c['shard'][0]}, {c['shard'][1]}), {c['real_rows']:,} real, {c['num_pools']:,} pools, "
+        f"H={c['heads']} D={c['head_dim']} K={c['kpool']} T={c['topk']})",
+        f"captured: {c['precision']} on backend {c['backend']} ({c['source']}, {c['device']}, autocast {c['autocast']}); "
+        f"replayed on {report['replay']['device']} ({report['replay']['device_name']})",
+        f"A = {A['arm']} -> backend {A['backend']};  B = {B['arm']} -> backend {B['backend']}",
+        "",
+    ]
+    rows: list[tuple[str, str, str]] = [
+        ("per arm", "A", "B"),
+        ("valid causal score slots (from cu_seq_lens)", _g(A["valid_slots"]), _g(B["valid_slots"])),
+        ("NaN in valid slots", _g(A["nan_in_valid_slots"]), _g(B["nan_in_valid_slots"])),
+        ("Inf in valid slots", _g(A["inf_in_valid_slots"]), _g(B["inf_in_valid_slots"])),
+    ]
+    if "repeat_bitwise_equal" in A:
+        for part in ("pools", "scores", "ids"):
+            rows.append(
+                (f"same arm repeated: {part} bitwise equal", _g(A["repeat_bitwise_equal"][part]), _g(B["repeat_bitwise_equal"][part]))
+            )  # fmt: skip
+    rows.append(("replay reproduces the captured ids", _g(A["reproduces_captured_ids"]), _g(B["reproduces_captured_ids"])))
+    rows.append(("", "", ""))
+    rows.append(("A vs B", "value", ""))
+
+    def stat(label: str, s: dict | None) -> None:
+        if s is None:
+            rows.append((label, "n/a", ""))
+            return
+        rows.append((f"{label}: max |A-B|", _g(s["max_abs"]), ""))
+        rows.append((f"{label}: rel L2 ||A-B||/||B||", _g(s["rel_l2"]), ""))
+        rows.append((f"{label}: elements differing", f"{_g(s['differing'])} / {_g(s['elements'])}", ""))
+
+    stat("keys k (all rows)", d["keys"])
+    stat("head weights", d["head_weights"])
+    rows.append(("queries q bitwise equal", _g(d["queries_bitwise_equal"]), ""))
+    stat("pools, model space (fp8 rotated back)", d["pools_model_space"])
+    if d["pools_rotated_space"] is not None:
+        stat("pools, rotated space (as fp8 stores them)", d["pools_rotated_space"])
+    rows.append(("pools bitwise equal (as stored)", _g(d["pools_bitwise_equal"]), ""))
+    s = d["scores"]
+    rows.append(("scores on valid slots: rel L2 ||A-B||/||B||", _g(s["rel_l2"]), ""))
+    rows.append(("scores on valid slots: max |A-B|", _g(s["max_abs"]), ""))
+    rows.append(("scores on valid slots: bitwise equal", f"{_g(s['bitwise_equal_slots'])} / {_g(s['compared'])}", ""))
+    t = d["topk"]
+    rows.append(("rows with a Top-K choice (visible pools > T/K)", f"{_g(t['rows_with_choice'])} / {_g(t['rows'])}", ""))
+    rows.append(
+        (
+            "queries whose Top-K pool sets differ",
+            f"{_g(t['rows_differing'])} ({100 * t['fraction_of_rows']:.3g}% of rows, "
+            f"{100 * t['fraction_of_rows_with_choice']:.3g}% of rows with a choice)",
+            "",
+        )
+    )
+    j = t["jaccard_rows_with_choice"]
+    if j:
+        rows.append(
+            (
+                "Jaccard overlap, rows with a choice",
+                f"min {j['min']:.4f}  p1 {j['p1']:.4f}  p5 {j['p5']:.4f}  p10 {j['p10']:.4f}  "
+                f"p50 {j['p50']:.4f}  mean {j['mean']:.4f}",
+                "",
+            )
+        )
+    bad = t["selected_ids_not_pool_starts"]
+    if bad["A"] or bad["B"]:
+        rows.append(("rows with ids that are not whole pools (A, B)", f"{bad['A']}, {bad['B']}", ""))
+    rows.append(("ids bitwise equal (whole output)", _g(d["ids_bitwise_equal"]), ""))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows if r[2])  # the per-arm columns are right-aligned
+    w2 = max(len(r[2]) for r in rows)
+    for label, x, y in rows:
+        lines.append(f"{label:<{w0}}  {x:>{w1}}  {y:>{w2}}" if y else f"{label:<{w0}}  {x}".rstrip())
+    lines.append(f"({report['replay']['seconds']:.1f} s)")
+    return "\n".join(lines)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def write_outputs(report: dict[str, Any], out_dir: str | os.PathLike, *, plots: bool = True) -> list[Path]:
+    """Write ``parity.json``, ``parity.txt`` and (with matplotlib) the two PNG plots."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    p = out / "parity.json"
+    p.write_text(json.dumps(_jsonable(report), indent=1) + "\n")
+    written.append(p)
+    p = out / "parity.txt"
+    p.write_text(format_table(report) + "\n")
+    written.append(p)
+    if plots:
+        written += _plots(report, out)
+    return written
+
+
+def _plots(report: dict[str, Any], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("the parity plots need matplotlib (pip install 'sp-kpool[test]' or matplotlib)") from None
+    arms = report["arms"]
+    title = f"A = {arms['A']['arm']} ({arms['A']['backend']}) vs B = {arms['B']['arm']} ({arms['B']['backend']})"
+    pq = report["per_query"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    x = [r for r, c in zip(pq["row"], pq["has_choice"]) if c]
+    y = [v for v, c in zip(pq["jaccard"], pq["has_choice"]) if c]
+    ax.scatter(x, y, s=2, lw=0)
+    ax.set_xlabel("query position (global token id)")
+    ax.set_ylabel("Jaccard overlap of Top-K pool sets")
+    ax.set_ylim(min([*y, 0.9]) - 0.02, 1.01)
+    ax.set_title(f"{title}\nrows with a choice: {len(x):,}, differing: {report['diff']['topk']['rows_differing']:,}", fontsize=9)
+    fig.tight_layout()
+    p1 = out / "overlap_vs_position.png"
+    fig.savefig(p1, dpi=120)
+    plt.close(fig)
+
+    h = report["histogram"]
+    e, cnt = h["log10_abs_diff_edges"], h["counts"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.stairs(cnt, e, fill=True)
+    used = [i for i, v in enumerate(cnt) if v]
+    if used:
+        ax.set_xlim(e[used[0]] - 0.5, e[used[-1] + 1] + 0.5)
+    ax.set_xlabel("log10 |score A - score B| on valid causal slots")
+    ax.set_ylabel("slots")
+    s = report["diff"]["scores"]
+    ax.set_title(
+        f"{title}\n{s['compared']:,} slots, exact zeros {h['exact_zero']:,}, rel L2 {_g(s['rel_l2'])}, max {_g(s['max_abs'])}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    p2 = out / "score_diff_hist.png"
+    fig.savefig(p2, dpi=120)
+    plt.close(fig)
+    return [p1, p2]
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+@torch.no_grad()
+def make_synthetic_capture(
+    directory: str | os.PathLike,
+    *,
+    tokens: int = 4096,
+    docs: int = 1,
+    world_size: int = 1,
+    hidden_size: int = 4096,
+    q_lora_rank: int = 1536,
+    heads: int = 32,
+    head_dim: int = 128,
+    topk: int = 2048,
+    kpool: int = 4,
+    precision: str = "bf16",
+    backend: str = "torch",
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    tag: str = "synthetic",
+) -> list[Path]:
+    """Random, real-shaped capture files (one per rank), as a live call would write them.
+
+    Parameters are scaled like a trained layer (``N(0, 1/fan_in)`` projections, LayerNorm
+    weight ``1 + N(0, 1)``, ``ape ~ N(0, 0.25)``), hidden states and ``q_resid`` are
+    ``N(0, 1)``; everything is drawn on the CPU from ``seed`` (the same bits on any device).
+    World size 1 runs the real ``KPoolIndexer.forward`` with its capture hook. More ranks
+    simulate the live ranks in this process: each rank's rows are prepared on their own,
+    keys and gates are concatenated (what the all-gather returns), and each rank's ids come
+    from the backend's real driver. Returns the paths, by rank.
+    """
+    from . import capture as cap_mod
+    from .backends.base import default_max_logits_bytes
+    from .indexer import KPoolIndexer
+    from .sharding import ShardedSequence
+    from .testing.problems import random_doc_lengths
+
+    dev = _device(device)
+    lengths = random_doc_lengths(tokens, docs, seed=seed) if docs > 1 else [tokens]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    mod = KPoolIndexer(
+        hidden_size=hidden_size, q_lora_rank=q_lora_rank, index_n_heads=heads, index_head_dim=head_dim,
+        index_topk=topk, index_kpool=kpool, backend=backend, precision=precision, device=dev, dtype=dtype,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    for name, p in mod.named_parameters():
+        if name == "k_norm.weight":
+            v = 1.0 + torch.randn(p.shape, generator=g)
+        elif name == "k_norm.bias":
+            v = torch.randn(p.shape, generator=g)
+        elif name == "index_kpool_compress_ape":
+            v = 0.5 * torch.randn(p.shape, generator=g)
+        else:
+            v = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
+        p.copy_(v.to(dtype))
+    seqs = [ShardedSequence.split(cu, world_size=world_size, rank=r) for r in range(world_size)]
+    S = seqs[0].total_length
+    hidden = torch.zeros(S, hidden_size, dtype=dtype)
+    q_resid = torch.zeros(S, q_lora_rank, dtype=dtype)
+    hidden[:tokens] = torch.randn(tokens, hidden_size, generator=g).to(dtype)
+    q_resid[:tokens] = torch.randn(tokens, q_lora_rank, generator=g).to(dtype)
+    hidden, q_resid = hidden.to(dev), q_resid.to(dev)
+    if world_size == 1:
+        hook = cap_mod.enable(mod, directory, calls=1, tag=tag)
+        hook.source = "synthetic"
+        mod(hidden, q_resid, seqs[0])
+        return [cap_mod.capture_path(directory, tag, 0, 0, 1)] if hook.done else []
+    parts = [(hidden[s.shard_start : s.shard_end], q_resid[s.shard_start : s.shard_end]) for s in seqs]
+    prepared = [mod.prepare(h, qr, precision) for h, qr in parts]
+    k_all = torch.cat([p["k"] for p in prepared])
+    g_all = torch.cat([p["gates"] for p in prepared])
+    mlb = default_max_logits_bytes()
+    paths = []
+    for s, p, (h, qr) in zip(seqs, prepared, parts):
+        problem = Problem(
+            q=p["q"], head_weights=p["head_weights"], k=k_all, gates=g_all, ape=p["ape"], seq=s, topk=topk,
+            kpool=kpool, tail="fixed", order="ascending", alignment=1, max_logits_bytes=mlb, precision=precision,
+        )  # fmt: skip
+        chosen = resolve_backend(backend, problem)
+        ids = chosen.run(problem)
+        meta = {
+            "topk": topk, "kpool": kpool, "heads": heads, "tail": "fixed", "order": "ascending", "alignment": 1,
+            "max_logits_bytes": mlb, "precision": precision, "backend": backend, "backend_resolved": chosen.name,
+            "device": str(dev), "autocast": "off", "tag": tag, "call": 0,
+            "source": f"synthetic (simulated {world_size} ranks)",
+        }  # fmt: skip
+        path = cap_mod.capture_path(directory, tag, 0, s.rank, world_size)
+        cap_mod.write_capture(path, hidden=h, q_resid=qr, ids=ids, seq=s, params=dict(mod.state_dict()), meta=meta)
+        paths.append(path)
+    return paths
+
+
+def stderr_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
