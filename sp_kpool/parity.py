@@ -309,8 +309,9 @@ def _score_diffs(runs: dict[str, _ArmRun], seq, offs, n_visible: torch.Tensor, P
     dev = runs["A"].problem.device
     own_lo = seq.shard_start
     n = n_visible.numel()
+    nv = n_visible.cpu()
     cum = torch.zeros(n + 1, dtype=torch.int64)
-    cum[1:] = torch.cumsum(n_visible.cpu(), 0)
+    cum[1:] = torch.cumsum(nv, 0)
     stats = {name: {"nan_in_valid_slots": 0, "inf_in_valid_slots": 0, "same": True} for name in runs}
     acc = {"sq_d": 0.0, "sq_b": 0.0, "max_abs": 0.0, "compared": 0, "equal": 0, "zero": 0}
     lo_e, hi_e, nbins = HIST_EDGES
@@ -344,7 +345,7 @@ def _score_diffs(runs: dict[str, _ArmRun], seq, offs, n_visible: torch.Tensor, P
             if nz.numel():
                 hist += torch.histc(nz.log10().clamp(lo_e, hi_e - 1e-6), bins=nbins, min=lo_e, max=hi_e).double()
             if cnt:
-                rows = torch.repeat_interleave(torch.arange(done - own_lo, end - own_lo), n_visible.cpu()[done - own_lo : end - own_lo])
+                rows = torch.repeat_interleave(torch.arange(done - own_lo, end - own_lo), nv[done - own_lo : end - own_lo])
                 per_slot = (va - vb).abs().nan_to_num(nan=math.inf)
                 row_max_abs.scatter_reduce_(0, rows.to(dev), per_slot, "amax")
             done = end
@@ -581,8 +582,9 @@ def format_table(report: dict[str, Any]) -> str:
     stat("keys k (all rows)", d["keys"])
     stat("head weights", d["head_weights"])
     rows.append(("queries q bitwise equal", _g(d["queries_bitwise_equal"]), ""))
-    stat("pools, model space (fp8 rotated back)", d["pools_model_space"])
-    if d["pools_rotated_space"] is not None:
+    fp8_arm = d["pools_rotated_space"] is not None
+    stat("pools, model space" + (" (fp8 rotated back)" if fp8_arm else ""), d["pools_model_space"])
+    if fp8_arm:
         stat("pools, rotated space (as fp8 stores them)", d["pools_rotated_space"])
     rows.append(("pools bitwise equal (as stored)", _g(d["pools_bitwise_equal"]), ""))
     s = d["scores"]
