@@ -179,8 +179,8 @@ def topk_pools_radix(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, sel
     unless values equal to the row's threshold (its ``k``-th best) were left out, which one
     pass over the scores detects. Such rows (one host synchronisation per call to find
     them) are redone with :func:`topk_pools_fast`. With ``ordered`` the set is ranked by
-    :func:`score_keys` (score order); without, valid ids come first in no fixed order
-    (for callers that sort by pool id anyway). Returns ``(pools, valid)``.
+    :func:`score_keys` (score order); without, the ids come in no fixed order with ``-1``
+    anywhere (for callers that sort by pool id anyway). Returns ``(pools, valid)``.
     """
     R, n = scores.shape
     if n <= k:
@@ -205,10 +205,9 @@ def topk_pools_radix(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, sel
         top = torch.sort(keys, dim=-1, descending=True).values
         ok = top != _INVALID_KEY
         pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
-    else:
-        ok = torch.sort(valid.to(torch.int8), dim=-1, descending=True, stable=True)
-        pools = torch.gather(idx, 1, ok.indices) + col0
-        ok = ok.values.bool()
+    else:  # the set in the selector's order; -1 may sit anywhere
+        ok = valid
+        pools = idx + col0
     pools = pools.masked_fill_(~ok, -1)
     redo = torch.nonzero(full & (eq_all > eq_sel)).flatten()
     if redo.numel():  # exact ties at the threshold: settle those rows by the exact rule

@@ -40,6 +40,8 @@ def default_config(heads: int, dim: int) -> tuple[int, int, int, int]:
         except ValueError:
             raise ValueError(f"{_ENV_CONFIG}: expected 'block_n,num_stages,threads[,block_q]', got {raw!r}") from None
         return bn, st, th, bq
+    if heads >= 64:  # 256 query-head rows per block, two warpgroups of consumers
+        return 128, 2, 512, max(1, 256 // heads)
     return 256, 2, 256, max(1, 128 // heads)
 
 

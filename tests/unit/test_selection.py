@@ -179,3 +179,10 @@ def test_radix_selection_with_check_equals_exact(levels):
     as_sets = [torch.sort(t.masked_fill(t < 0, big)).values for t in (unordered, exact)]
     assert torch.equal(*as_sets)
     assert torch.equal((unordered >= 0).sum(1), (exact >= 0).sum(1))
+    # assemble accepts the unordered set for ascending order
+    cu = torch.tensor([0, 4 * N])
+    starts_tab, offs = pool_table(cu, 4)
+    meta = row_meta(torch.full((R,), 4 * N - 1), cu, offs, 4)
+    a1 = assemble(unordered - 3, meta, starts_tab, topk=4 * k, kpool=4, tail="compact", order="ascending", alignment=1)
+    a2 = assemble(exact - 3, meta, starts_tab, topk=4 * k, kpool=4, tail="compact", order="ascending", alignment=1)
+    assert torch.equal(a1, a2)
