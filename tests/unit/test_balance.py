@@ -149,3 +149,29 @@ def test_bad_scale_options_are_named(kw, exc, text):
     with pytest.raises(exc) as info:
         kpool_topk(**shard_inputs(x, seq), seq=seq, topk=8, **kw)
     assert text in str(info.value)
+
+
+def test_bench_harness_writes_results(tmp_path):
+    # scripts/bench.py end to end in one process: JSON with environment, ceilings, stages
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench.py")
+    spec = importlib.util.spec_from_file_location("sp_kpool_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--seq-lens", "96", "--docs", "3", "--heads", "8", "--head-dim", "16", "--topk", "16", "--iters", "1",
+            "--precisions", "bf16,fp8", "--out", str(tmp_path), "--tag", "t", "--no-plot"]  # fmt: skip
+    assert bench.main(argv) == 0
+    (name,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+    doc = json.load(open(tmp_path / name))
+    assert {"command", "date_utc", "host", "torch", "python", "world_size"} <= set(doc["environment"])
+    assert doc["ceilings"]["fp32_matmul_tflops"] > 0 and doc["ceilings"]["copy_gbps"] > 0
+    assert len(doc["results"]) == 2 * 2 * 2  # precisions x gathers x balances
+    for r in doc["results"]:
+        s = r["summary"]
+        assert s["equal_to_baseline"] and s["deterministic"], r["config"]
+        assert {"pool", "score", "select", "expand"} <= set(s["stage_ms"]), s["stage_ms"]
+        assert s["rates"]["score_tflops"] > 0 and s["peak_memory_bytes_max"] > 0
+    assert (tmp_path / name.replace(".json", ".md")).exists()

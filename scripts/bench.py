@@ -1,0 +1,683 @@
+"""End-to-end benchmark of ``kpool_topk``: every backend, precision, gather and balance option.
+
+    # one process (world size 1), e.g. one GPU
+    python scripts/bench.py --backends torch --seq-lens 4096,8192
+    # several ranks spawned here (gloo on CPU; NCCL when there is a GPU per rank)
+    python scripts/bench.py --world-size 4 --gathers keys,pools --balances none,causal
+    # several GPUs under torchrun (NCCL, one GPU per rank)
+    torchrun --standalone --nproc_per_node 2 scripts/bench.py --backends tilelang,deepgemm ...
+
+For each configuration (sequence length x backend x precision x gather x balance) every rank
+runs the real operator on its shard: warm-up calls, then ``--iters`` timed calls (barrier,
+device synchronized; the step time is the slowest rank's), then one instrumented call
+(``stats=``) that gives per-stage times (gather, seam, pool, balance exchange, score, select,
+balance route, expand; device synchronized around each stage), the bytes every rank sent
+and received (counted by the collectives), the rows it scored and their causal
+query-pool pairs. Every output is compared bit for bit with the first option combination
+of the same (length, backend, precision), normally ``gather=keys, balance=none``.
+
+Measured in the same run, per rank 0: the matrix-product ceiling (FP32 and BF16, FP8 on
+CUDA), the device copy bandwidth, and the all-gather bandwidth of the process group.
+Reported against them: score TFLOP/s (``2 * H * D`` per causal pair), pool / select /
+expand GB/s (model bytes, stated in the JSON), gather GB/s (instrumented bytes).
+
+Writes, under ``--out`` (default ``benchmarks/results``), ``bench_<tag>_<time>.json`` (after
+every configuration, so a crash keeps what finished), ``.md`` (a table) and ``.png`` (time
+per stage vs sequence length, one panel per backend/precision and option combination),
+with the command, date, machine and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+STAGES = ("gather", "seam", "pool", "balance_exchange", "score", "select", "balance_route", "expand")
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def _csv(kind):
+    def parse(text: str):
+        return [kind(v) for v in text.split(",") if v.strip()]
+
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from sp_kpool.api import BALANCES, GATHERS
+    from sp_kpool.precision import PRECISIONS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=1, help="ranks to spawn here (ignored under torchrun)")
+    ap.add_argument("--backends", type=_csv(str), default=["torch"], help="comma list of names in BACKENDS, or auto")
+    ap.add_argument("--precisions", type=_csv(str), default=["bf16"], help=f"comma list of {list(PRECISIONS)}")
+    ap.add_argument("--gathers", type=_csv(str), default=["keys", "pools"], help=f"comma list of {list(GATHERS)}")
+    ap.add_argument("--balances", type=_csv(str), default=["none", "causal"], help=f"comma list of {list(BALANCES)}")
+    ap.add_argument("--seq-lens", type=_csv(int), default=[4096, 8192], help="global packed lengths S")
+    ap.add_argument("--docs", type=int, default=1, help="documents per sequence (1: one long document)")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--kpool", type=int, default=4)
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="dtype of q, k, gates, head weights")
+    ap.add_argument("--max-logits-bytes", type=int, default=None, help="scoring budget (default: the library's)")
+    ap.add_argument("--balance-block", type=int, default=None, help="balance boundary multiple (default: chunk)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    ap.add_argument("--tag", default=None, help="file name tag (default: device, backend and world size)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="process-group timeout, seconds")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    from sp_kpool.backends import backend_names
+
+    for name, values, allowed in (
+        ("--backends", args.backends, backend_names()),
+        ("--precisions", args.precisions, PRECISIONS),
+        ("--gathers", args.gathers, GATHERS),
+        ("--balances", args.balances, BALANCES),
+    ):
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            ap.error(f"{name}: expected a comma list of {list(allowed)}, got {values}")
+    if any(s < 1 for s in args.seq_lens) or args.docs < 1 or args.iters < 1 or args.warmup < 0:
+        ap.error("--seq-lens, --docs and --iters must be positive, --warmup >= 0")
+    args.command = " ".join([os.path.basename(sys.executable)] + sys.argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        args.command = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')} " + " ".join(sys.argv)
+    return args
+
+
+# ------------------------------------------------------------------------ environment
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn, device, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device, world_size: int) -> dict:
+    """Matmul TFLOP/s (FP32, BF16; FP8 on CUDA), copy GB/s and all-gather GB/s, measured now."""
+    cuda = device.type == "cuda"
+    out: dict = {}
+    n = 8192 if cuda else 1024
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(n, n, device=device).to(dt)
+        b = torch.randn(n, n, device=device).to(dt)
+        s = _median_seconds(lambda: a @ b, device, reps=10 if cuda else 3)
+        out[f"{name}_matmul_tflops"] = 2 * n**3 / s / 1e12
+    if cuda:
+        try:
+            a8 = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+            b8 = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+            one = torch.ones((), device=device)
+            s = _median_seconds(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device, reps=10)
+            out["fp8_matmul_tflops"] = 2 * n**3 / s / 1e12
+        except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+            out["fp8_matmul_tflops"] = f"unavailable: {type(exc).__name__}: {exc}"
+    nbytes = (1 << 30) if cuda else (256 << 20)
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    s = _median_seconds(lambda: x.clone(), device, reps=10 if cuda else 3)
+    out["copy_gbps"] = 2 * nbytes / s / 1e9  # read + write
+    del x
+    if world_size > 1:
+        import torch.distributed as dist
+
+        from sp_kpool.comm import _gather_into_tensor
+
+        chunk = (64 << 20) if cuda else (16 << 20)
+        src = torch.empty(chunk, dtype=torch.uint8, device=device)
+        dst = torch.empty(chunk * world_size, dtype=torch.uint8, device=device)
+
+        def gather():
+            _gather_into_tensor()(dst, src)
+
+        dist.barrier()
+        s = _median_seconds(gather, device, reps=5)
+        out["all_gather_recv_gbps"] = (world_size - 1) * chunk / s / 1e9  # bytes received per rank per second
+        out["all_gather_chunk_bytes"] = chunk
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def environment(args, world_size: int, dist_backend: str | None, device: torch.device) -> dict:
+    import sp_kpool
+
+    env = {
+        "command": args.command,
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "sp_kpool": sp_kpool.__version__,
+        "git_commit": _git_commit(),
+        "world_size": world_size,
+        "dist_backend": dist_backend,
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        try:
+            env["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001
+            env["nccl"] = "?"
+    for mod in ("triton", "tilelang", "deep_gemm"):
+        if mod in sys.modules:
+            env[mod] = getattr(sys.modules[mod], "__version__", "?")
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)  # fmt: skip
+        return out.stdout.strip() + (" (tree modified)" if dirty.stdout.strip() else "")
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def doc_lengths(total: int, docs: int, seed: int) -> list[int]:
+    from sp_kpool.testing.problems import random_doc_lengths
+
+    return [total] if docs == 1 else random_doc_lengths(total, min(docs, total), seed)
+
+
+def local_inputs(seq, args, device: torch.device, rank: int) -> dict:
+    """This rank's rows, generated on the device from ``(seed, rank)``: ``q [S_local, H, D]``,
+    ``k``/``gates [S_local, D]``, ``head_weights [S_local, H]``, ``ape [K, D]`` (same on all
+    ranks). Different ranks hold different rows, as in a real sharded step."""
+    dt = _DTYPES[args.dtype]
+    n, H, D, K = seq.shard_size, args.heads, args.head_dim, args.kpool
+    g = torch.Generator(device=device).manual_seed(args.seed * 7919 + rank)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dt)
+
+    inputs = {"q": rnd(n, H, D), "k": rnd(n, D), "gates": rnd(n, D), "head_weights": rnd(n, H)}
+    ga = torch.Generator(device=device).manual_seed(args.seed * 7919 - 1)
+    inputs["ape"] = (torch.randn(K, D, generator=ga, device=device) * 0.5).to(dt)
+    return inputs
+
+
+# ------------------------------------------------------------------------------- runs
+
+
+def _peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated (this config)"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "ru_maxrss (process peak so far)"
+
+
+def run_config(args, seq, inputs, device, cfg: dict, baseline) -> tuple[dict, torch.Tensor | None]:
+    """One configuration on this rank. Returns (this rank's record, output)."""
+    from sp_kpool import kpool_topk
+
+    dist_on = seq.world_size > 1
+    if dist_on:
+        import torch.distributed as dist
+    kw = dict(
+        topk=args.topk, kpool=args.kpool, backend=cfg["backend"], precision=cfg["precision"], gather=cfg["gather"],
+        balance=cfg["balance"], balance_block=args.balance_block, max_logits_bytes=args.max_logits_bytes,
+    )  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rec: dict = {"rank": seq.rank}
+    try:
+        out = None
+        for _ in range(args.warmup):
+            out = kpool_topk(**inputs, seq=seq, **kw)
+        times = []
+        for _ in range(args.iters):
+            if dist_on:
+                dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            out = kpool_topk(**inputs, seq=seq, **kw)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        stats: dict = {}
+        if dist_on:
+            dist.barrier()
+        out_stats = kpool_topk(**inputs, seq=seq, stats=stats, **kw)
+    except ValueError as exc:  # bad configuration: raised on every rank alike
+        return {"rank": seq.rank, "skipped": str(exc).splitlines()[-1][:500]}, None
+    rec["time_s"] = statistics.median(times)
+    rec["times_s"] = times
+    rec["stage_s"] = stats["time_s"]
+    rec["instrumented_total_s"] = sum(stats["time_s"].values())
+    rec["bytes"] = stats["bytes"]
+    rec["rows_scored"] = list(stats["rows_scored"])
+    rec["causal_pairs"] = stats["causal_pairs"]
+    rec["pools"] = stats["pools"]
+    rec["pools_built"] = stats["pools_built"]
+    rec["partition"] = stats["partition"]
+    rec["balance_applied"] = stats["balance_applied"]
+    rec["peak_memory_bytes"], rec["peak_memory_kind"] = _peak_memory_bytes(device)
+    rec["deterministic"] = bool(torch.equal(out, out_stats))
+    rec["equal_to_baseline"] = None if baseline is None else bool(torch.equal(out, baseline))
+    return rec, out
+
+
+def summarize(args, cfg: dict, per_rank: list[dict], ceilings: dict, device: torch.device) -> dict:
+    """Max over ranks (a step is as slow as its slowest rank) and rates against ceilings."""
+    if any("skipped" in r for r in per_rank):
+        return {"skipped": per_rank[0].get("skipped") or next(r["skipped"] for r in per_rank if "skipped" in r)}
+    H, D, K = args.heads, args.head_dim, args.kpool
+    es = torch.empty((), dtype=_DTYPES[args.dtype]).element_size()
+    s: dict = {"time_ms": 1e3 * max(r["time_s"] for r in per_rank)}
+    s["stage_ms"] = {st: 1e3 * max(r["stage_s"].get(st, 0.0) for r in per_rank) for st in STAGES}
+    s["stage_ms"] = {k: v for k, v in s["stage_ms"].items() if v > 0}
+    s["instrumented_total_ms"] = 1e3 * max(r["instrumented_total_s"] for r in per_rank)
+    s["bytes_sent_max"] = max(r["bytes"]["sent"] for r in per_rank)
+    s["bytes_received_max"] = max(r["bytes"]["received"] for r in per_rank)
+    tags = {}
+    for r in per_rank:
+        for t, v in r["bytes"]["by_tag"].items():
+            e = tags.setdefault(t, {"sent_max": 0, "received_max": 0})
+            e["sent_max"] = max(e["sent_max"], v["sent"])
+            e["received_max"] = max(e["received_max"], v["received"])
+    s["bytes_by_tag"] = tags
+    data_tags = ("gather_keys", "gather_pools", "seam")
+    s["gather_bytes_received_max"] = max(
+        sum(r["bytes"]["by_tag"].get(t, {}).get("received", 0) for t in data_tags) for r in per_rank
+    )
+    s["gather_bytes_sent_max"] = max(
+        sum(r["bytes"]["by_tag"].get(t, {}).get("sent", 0) for t in data_tags) for r in per_rank
+    )
+    pairs = [r["causal_pairs"] for r in per_rank]
+    s["causal_pairs"] = pairs
+    s["pairs_imbalance"] = max(pairs) / (sum(pairs) / len(pairs)) if sum(pairs) else 1.0
+    part = per_rank[0]["partition"]
+    if part is not None:
+        s["partition"] = {k: part[k] for k in ("applied", "bounds", "imbalance", "contiguous_imbalance", "block")}
+    s["balance_decision_same_on_all_ranks"] = len({json.dumps(r["partition"]) for r in per_rank}) == 1
+    s["equal_to_baseline"] = all(r["equal_to_baseline"] in (None, True) for r in per_rank)
+    s["deterministic"] = all(r["deterministic"] for r in per_rank)
+    s["peak_memory_bytes_max"] = max(r["peak_memory_bytes"] for r in per_rank)
+    s["peak_memory_kind"] = per_rank[0]["peak_memory_kind"]
+    # rates of the slowest rank of each stage; model bytes are stated
+    worst = max(per_rank, key=lambda r: r["stage_s"].get("score", 0.0))
+    score_s = worst["stage_s"].get("score", 0.0)
+    flops = 2.0 * H * D * worst["causal_pairs"]
+    if device.type == "cuda" and cfg["backend"] != "torch":
+        ceiling_name = "fp8_matmul_tflops" if cfg["precision"] == "fp8" else "bf16_matmul_tflops"
+    else:
+        ceiling_name = "fp32_matmul_tflops"  # the torch backend scores in FP32
+    rates: dict = {"score_ceiling": ceiling_name}
+    if score_s > 0:
+        rates["score_tflops"] = flops / score_s / 1e12
+        ceiling = ceilings.get(ceiling_name)
+        if isinstance(ceiling, float):
+            rates["score_fraction_of_ceiling"] = rates["score_tflops"] / ceiling
+    copy = ceilings.get("copy_gbps")
+    pool_row = D + 4 if cfg["precision"] == "fp8" else D * (2 if cfg["precision"] == "bf16-serving" else es)
+    model = {
+        # keys and gates of the pools built, read once; the pooled rows written once
+        "pool": lambda r: r["pools_built"] * (K * D * 2 * es + pool_row),
+        # FP32 scores of the causal pairs, read once by the selector
+        "select": lambda r: 4 * r["causal_pairs"],
+        # int32 output rows of the owned shard written once
+        "expand": lambda r: 4 * r["owned_rows"] * _width(args),
+    }
+    for st, nbytes in model.items():
+        r = max(per_rank, key=lambda r: r["stage_s"].get(st, 0.0))
+        t = r["stage_s"].get(st, 0.0)
+        if t > 0:
+            rates[f"{st}_gbps"] = nbytes(r) / t / 1e9
+            if copy:
+                rates[f"{st}_fraction_of_copy"] = rates[f"{st}_gbps"] / copy
+    g = max(per_rank, key=lambda r: r["stage_s"].get("gather", 0.0) + r["stage_s"].get("seam", 0.0))
+    tg = g["stage_s"].get("gather", 0.0) + g["stage_s"].get("seam", 0.0)
+    recv = sum(g["bytes"]["by_tag"].get(t, {}).get("received", 0) for t in data_tags)
+    if tg > 0 and recv:
+        rates["gather_recv_gbps"] = recv / tg / 1e9
+        if isinstance(ceilings.get("all_gather_recv_gbps"), float):
+            rates["gather_fraction_of_all_gather"] = rates["gather_recv_gbps"] / ceilings["all_gather_recv_gbps"]
+    rates["model_bytes"] = ("pool: pools_built * (K*D*2*dtype + pooled row); select: 4 B per causal pair; "
+                            "expand: 4 B per output cell of the owned rows; gather: instrumented bytes received")
+    s["rates"] = rates
+    return s
+
+
+def _width(args) -> int:
+    from sp_kpool.selection import output_width
+
+    return output_width(args.topk, args.kpool, 1)
+
+
+def add_ratios(results: list[dict]) -> None:
+    """Gather bytes of ``pools`` against ``keys`` for the same length/backend/precision/balance."""
+    index = {}
+    for r in results:
+        c = r["config"]
+        if "skipped" not in r["summary"]:
+            index[(c["seq_len"], c["backend"], c["precision"], c["gather"], c["balance"])] = r["summary"]
+    for r in results:
+        c, s = r["config"], r["summary"]
+        if c["gather"] != "pools" or "skipped" in s:
+            continue
+        k = index.get((c["seq_len"], c["backend"], c["precision"], "keys", c["balance"]))
+        if k and k["gather_bytes_received_max"]:
+            s["gather_bytes_vs_keys"] = s["gather_bytes_received_max"] / k["gather_bytes_received_max"]
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def write_outputs(path_base: str, doc: dict, plot: bool) -> None:
+    os.makedirs(os.path.dirname(path_base) or ".", exist_ok=True)
+    tmp = path_base + ".json.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path_base + ".json")
+    with open(path_base + ".md", "w") as f:
+        f.write(markdown(doc))
+    if plot:
+        try:
+            draw(doc, path_base + ".png")
+        except Exception as exc:  # noqa: BLE001 - the JSON is what counts
+            print(f"plot failed: {type(exc).__name__}: {exc}", flush=True)
+
+
+def markdown(doc: dict) -> str:
+    env = doc["environment"]
+    lines = [
+        f"# kpool_topk benchmark, {env['date_utc']}",
+        "",
+        f"- command: `{env['command']}`",
+        f"- machine: {env['host']}, {env.get('gpu', env['cpu'])}, {env['cpu_count']} CPUs, {env['platform']}",
+        f"- versions: python {env['python']}, torch {env['torch']}, sp_kpool {env['sp_kpool']} ({env['git_commit']})"
+        + (f", CUDA {env.get('cuda')}, NCCL {env.get('nccl')}" if "gpu" in env else ""),
+        f"- ranks: {env['world_size']} ({env['dist_backend'] or 'single process'}), device {env['device']}",
+        f"- ceilings (rank 0, this run): "
+        + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in doc["ceilings"].items()),
+        "",
+        "| S | backend | precision | gather | balance | ms (max rank) | stages ms (max rank) | gather B recv/rank"
+        " | pools/keys | max/mean pairs | equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        c, s = r["config"], r["summary"]
+        head = f"| {c['seq_len']} | {c['backend']} | {c['precision']} | {c['gather']} | {c['balance']} "
+        if "skipped" in s:
+            lines.append(head + f"| skipped: {s['skipped'][:80]} | | | | | |")
+            continue
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in s["stage_ms"].items())
+        ratio = s.get("gather_bytes_vs_keys")
+        lines.append(
+            head + f"| {s['time_ms']:.1f} | {stages} | {s['gather_bytes_received_max']} | "
+            f"{'' if ratio is None else f'1/{1 / ratio:.1f}'} | {s['pairs_imbalance']:.3f} | "
+            f"{'yes' if s['equal_to_baseline'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def draw(doc: dict, path: str) -> None:
+    """Time per stage (slowest rank) vs sequence length: one row per backend/precision, one
+    column per gather/balance combination; the black line is the uninstrumented total."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [r for r in doc["results"] if "skipped" not in r["summary"]]
+    if not results:
+        return
+    first = {}
+    for r in results:
+        c = r["config"]
+        first.setdefault(("row", c["backend"], c["precision"]), len(first))
+        first.setdefault(("col", c["gather"], c["balance"]), len(first))
+    rows = sorted((k[1:] for k in first if k[0] == "row"), key=lambda k: first[("row", *k)])
+    cols = sorted((k[1:] for k in first if k[0] == "col"), key=lambda k: first[("col", *k)])
+    colors = dict(zip(STAGES, plt.get_cmap("tab10").colors))
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(4.2 * len(cols), 3.2 * len(rows) + 0.6), squeeze=False)
+    for i, (backend, precision) in enumerate(rows):
+        for j, (gather, balance) in enumerate(cols):
+            ax = axes[i][j]
+            sel = sorted(
+                (r for r in results if (r["config"]["backend"], r["config"]["precision"]) == (backend, precision)
+                 and (r["config"]["gather"], r["config"]["balance"]) == (gather, balance)),
+                key=lambda r: r["config"]["seq_len"],
+            )  # fmt: skip
+            if not sel:
+                ax.set_visible(False)
+                continue
+            xs = [r["config"]["seq_len"] for r in sel]
+            ax.plot(xs, [r["summary"]["time_ms"] for r in sel], "k-o", lw=2, label="total (uninstrumented)")
+            for st in STAGES:
+                ys = [r["summary"]["stage_ms"].get(st, float("nan")) for r in sel]
+                if any(y == y for y in ys):
+                    ax.plot(xs, ys, "-", marker=".", color=colors[st], label=st)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{backend} {precision} | gather={gather} balance={balance}", fontsize=8)
+            ax.set_xlabel("sequence length S")
+            ax.set_ylabel("ms (slowest rank)")
+            ax.grid(True, which="both", alpha=0.3)
+    handles = [plt.Line2D([], [], color="k", marker="o", lw=2, label="total (uninstrumented)")]
+    handles += [plt.Line2D([], [], color=colors[st], marker=".", label=st) for st in STAGES]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
+    env = doc["environment"]
+    fig.suptitle(f"kpool_topk per stage, {env['world_size']} rank(s) {env['dist_backend'] or ''}, "
+                 f"{env.get('gpu', env['cpu'])}, {env['date_utc']}", fontsize=9)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ ranks
+
+
+def main_rank(args, rank: int, world_size: int, device: torch.device, dist_backend: str | None) -> None:
+    from sp_kpool.sharding import ShardedSequence
+
+    dist_on = world_size > 1
+    if dist_on:
+        import torch.distributed as dist
+    if device.type == "cuda":  # make the optional GPU packages visible in the environment record
+        for mod in ("triton", "tilelang", "deep_gemm"):
+            try:
+                __import__(mod)
+            except Exception:  # noqa: BLE001
+                pass
+    env = environment(args, world_size, dist_backend, device)
+    tag = args.tag or "{}-{}-w{}".format(
+        "gpu" if device.type == "cuda" else "cpu", dist_backend or "single", world_size
+    )
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(args.out, f"bench_{tag}_{stamp}")
+    _log(rank, f"bench: {world_size} rank(s), {dist_backend or 'single process'}, {device}; "
+               f"measuring ceilings ...")  # fmt: skip
+    ceilings = measure_ceilings(device, world_size)
+    _log(rank, "ceilings: " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in ceilings.items()}))
+    doc = {"environment": env, "ceilings": ceilings, "args": {k: v for k, v in vars(args).items()}, "results": []}
+    combos = [(g, b) for g in args.gathers for b in args.balances]
+    total = len(args.seq_lens) * len(args.backends) * len(args.precisions) * len(combos)
+    i = 0
+    for S in args.seq_lens:
+        lengths = doc_lengths(S, args.docs, args.seed)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        seq = ShardedSequence.split(cu, world_size=world_size, rank=rank, group=None)
+        inputs = local_inputs(seq, args, device, rank)
+        owned = max(0, min(seq.shard_end, seq.num_real_tokens) - seq.shard_start)
+        for backend in args.backends:
+            for precision in args.precisions:
+                baseline = None
+                for gather, balance in combos:
+                    i += 1
+                    cfg = dict(seq_len=S, docs=len(lengths), backend=backend, precision=precision, gather=gather,
+                               balance=balance, heads=args.heads, head_dim=args.head_dim, topk=args.topk,
+                               kpool=args.kpool, dtype=args.dtype)  # fmt: skip
+                    label = f"[{i}/{total}] S={S} {backend} {precision} gather={gather} balance={balance}"
+                    _log(rank, label + " ...")
+                    t0 = time.perf_counter()
+                    rec, out = run_config(args, seq, inputs, device, cfg, baseline)
+                    rec["owned_rows"] = owned
+                    if baseline is None and out is not None:
+                        baseline = out
+                    if dist_on:
+                        per_rank: list = [None] * world_size
+                        dist.all_gather_object(per_rank, rec)
+                    else:
+                        per_rank = [rec]
+                    summary = summarize(args, cfg, per_rank, ceilings, device)
+                    doc["results"].append({"config": cfg, "summary": summary, "per_rank": per_rank})
+                    add_ratios(doc["results"])
+                    if rank == 0:
+                        write_outputs(base, doc, plot=False)
+                    _log(rank, label + " " + _one_line(summary, time.perf_counter() - t0))
+                    del out
+                del baseline
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    if rank == 0:
+        write_outputs(base, doc, plot=not args.no_plot)
+        print(f"wrote {base}.json, .md" + ("" if args.no_plot else ", .png"), flush=True)
+
+
+def _one_line(s: dict, wall: float) -> str:
+    if "skipped" in s:
+        return f"skipped: {s['skipped']}"
+    stages = " ".join(f"{k}={v:.1f}" for k, v in s["stage_ms"].items())
+    rates = s["rates"]
+    extra = ""
+    if "score_tflops" in rates:
+        frac = rates.get("score_fraction_of_ceiling")
+        extra = f" score {rates['score_tflops']:.3g} TFLOP/s" + (f" ({100 * frac:.0f}% of ceiling)" if frac else "")
+    part = s.get("partition")
+    bal = ""
+    if part:
+        bal = f" balance {'applied' if part['applied'] else 'declined'} work max/mean {part['imbalance']:.3f}"
+        bal += f" (contiguous {part['contiguous_imbalance']:.3f})"
+    ratio = s.get("gather_bytes_vs_keys")
+    return (
+        f"{s['time_ms']:.1f} ms | {stages} ms | gather recv {s['gather_bytes_received_max']} B"
+        + (f" (1/{1 / ratio:.1f} of keys)" if ratio else "")
+        + f" | pairs max/mean {s['pairs_imbalance']:.3f}{bal}{extra}"
+        + f" | peak {s['peak_memory_bytes_max'] / 2**20:.0f} MiB | equal {s['equal_to_baseline']}"
+        + f" | {wall:.1f} s wall"
+    )
+
+
+def _spawned(rank: int, args, store_path: str, dist_backend: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    ws = args.world_size
+    if dist_backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ws))
+    store = dist.FileStore(store_path, ws)
+    dist.init_process_group(dist_backend, store=store, rank=rank, world_size=ws, timeout=timedelta(seconds=args.timeout))
+    try:
+        main_rank(args, rank, ws, device, dist_backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        ws, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            device, backend = torch.device("cuda", local), "nccl"
+        else:
+            device, backend = torch.device("cpu"), "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+        try:
+            main_rank(args, rank, ws, device, backend if ws > 1 else None)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    if args.world_size == 1:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        main_rank(args, 0, 1, device, None)
+        return 0
+    import torch.multiprocessing as mp
+
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "gloo"
+    with tempfile.TemporaryDirectory(prefix="sp_kpool_bench_") as tmp:
+        ctx = mp.start_processes(_spawned, args=(args, os.path.join(tmp, "store"), backend),
+                                 nprocs=args.world_size, join=False, start_method="spawn")  # fmt: skip
+        try:
+            while not ctx.join(timeout=1.0):
+                pass
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
