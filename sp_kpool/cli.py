@@ -98,7 +98,7 @@ def _cmd_parity(args) -> int:
                     where, tokens=args.tokens, docs=args.docs, world_size=args.world_size,
                     hidden_size=args.hidden_size, q_lora_rank=args.q_lora_rank, heads=args.heads,
                     head_dim=args.head_dim, topk=args.topk, kpool=args.kpool, precision=args.capture_precision,
-                    device=args.device, seed=args.seed,
+                    backend=args.capture_backend, device=args.device, seed=args.seed,
                 )  # fmt: skip
                 capture = str(paths[args.rank])
             elif capture is None:
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     syn.add_argument("--topk", type=int, default=2048)
     syn.add_argument("--kpool", type=int, default=4)
     syn.add_argument("--capture-precision", default="bf16", help="precision of the simulated live call")
+    syn.add_argument("--capture-backend", default="auto", help="backend of the simulated live call")
     syn.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     return {"info": _cmd_info, "demo": _cmd_demo, "parity": _cmd_parity}[args.cmd](args)
