@@ -41,16 +41,18 @@ class RankReport:
 
 def sharded_vs_world1(
     rank: int, world_size: int, lengths, kpool: int, topk: int, *, heads=8, head_dim=16, seed=0,
-    device="cpu", backend="torch", group=None, **options,
+    device="cpu", backend="torch", group=None, dtype=torch.float32, **options,
 ) -> RankReport:  # fmt: skip
-    """Run this rank's shard with the real collectives and compare to world size 1."""
-    x = make_inputs(lengths, heads=heads, head_dim=head_dim, kpool=kpool, seed=seed)
+    """Run this rank's shard with the real collectives and compare to world size 1
+    (computed on this rank with the same options, plain split, gather-keys)."""
+    x = make_inputs(lengths, heads=heads, head_dim=head_dim, kpool=kpool, seed=seed, dtype=dtype)
     seq = ShardedSequence.split(x.cu_seq_lens, world_size=world_size, rank=rank, group=group)
     opts = dict(topk=topk, kpool=kpool, backend=backend, **options)
     out = kpool_topk(**shard_inputs(x, seq, device), seq=seq, **opts)
     check_invariants(out, seq, topk=topk, kpool=kpool, tail=opts.get("tail", "fixed"), alignment=opts.get("alignment", 1))
     seq1 = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
-    ref = kpool_topk(**shard_inputs(x, seq1, device), seq=seq1, **opts)
+    ref_opts = {k: v for k, v in opts.items() if k not in ("gather", "balance", "balance_block")}
+    ref = kpool_topk(**shard_inputs(x, seq1, device), seq=seq1, **ref_opts)
     lo, hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
     n = max(0, hi - lo)
     equal = torch.equal(out[:n], ref[lo:hi]) and bool((out[n:] == -1).all())

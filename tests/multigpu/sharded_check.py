@@ -1,6 +1,7 @@
 """Launched by torchrun: every rank's rows bitwise equal to world size 1.
 
-    torchrun --standalone --nproc_per_node N tests/multigpu/sharded_check.py [--backends torch,...]
+    torchrun --standalone --nproc_per_node N tests/multigpu/sharded_check.py \
+        [--arms bf16:torch,fp8:deepgemm,...] [--heads 64 --head-dim 128 --dtype bf16] [--scale]
 
 NCCL with one GPU per rank when CUDA is available, gloo on CPU otherwise. Cases: odd global
 lengths, pools straddling seams, shards starting mid-document, a shard holding only
@@ -25,10 +26,16 @@ from sp_kpool.testing.rank_checks import STANDARD_CASES, sharded_vs_world1  # no
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backends", default="torch", help="comma-separated backends to check")
+    ap.add_argument("--arms", default="bf16:torch", help="comma-separated precision:backend pairs to check")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--scale", action="store_true", help="also gather='pools' and balance='causal'")
     opts = ap.parse_args()
+    dtype = getattr(torch, opts.dtype)
+    variants = [{}]
+    if opts.scale:
+        variants += [{"gather": "pools"}, {"balance": "causal"}, {"gather": "pools", "balance": "causal"}]
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local)
@@ -40,20 +47,22 @@ def main() -> int:
     rank, ws = dist.get_rank(), dist.get_world_size()
     failures = 0
     try:
-        for name in opts.backends.split(","):
-            bad = []
+        for arm in opts.arms.split(","):
+            precision, name = arm.split(":")
+            bad, n = [], 0
             for lengths, kpool, topk in STANDARD_CASES:
                 for tail, order in (("fixed", "ascending"), ("compact", "score")):
-                    rep = sharded_vs_world1(
-                        rank, ws, lengths, kpool, topk, heads=opts.heads, head_dim=opts.head_dim,
-                        seed=len(lengths), device=device, backend=name, tail=tail, order=order,
-                    )  # fmt: skip
-                    if not rep.equal:
-                        bad.append((lengths, kpool, topk, tail, order))
+                    for extra in variants:
+                        n += 1
+                        rep = sharded_vs_world1(
+                            rank, ws, lengths, kpool, topk, heads=opts.heads, head_dim=opts.head_dim, seed=len(lengths),
+                            device=device, backend=name, precision=precision, dtype=dtype, tail=tail, order=order, **extra,
+                        )  # fmt: skip
+                        if not rep.equal:
+                            bad.append((lengths, kpool, topk, tail, order, extra))
             failures += len(bad)
-            n = 2 * len(STANDARD_CASES)
             verdict = "PASS" if not bad else f"FAIL {bad}"
-            print(f"torchrun rank {rank}/{ws} {backend} {device} backend={name}: {n - len(bad)}/{n} cases equal: {verdict}", flush=True)
+            print(f"torchrun rank {rank}/{ws} {backend} {device} arm={arm}: {n - len(bad)}/{n} cases equal: {verdict}", flush=True)
         flag = torch.tensor([failures], device=device if backend == "nccl" else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     finally:
