@@ -321,17 +321,35 @@ def section_ranks(quick):
             record("ranks", f"{name} {precision} H={H} world size {ws} == 1", ok)
 
 
+def section_serving_order(quick):
+    """order='serving' (LMDeploy's selector order, compact tail): same sets as the exact rule
+    except at exact ties, valid layout (invariants), and the order is the selector's."""
+    from sp_kpool.testing.invariants import check_invariants
+
+    for name, precision in (("tilelang", "bf16"), ("deepgemm", "fp8")):
+        p = rank_slice_problem(16384, 4, 3, heads=64, head_dim=128, topk=2048, precision=precision, seed=5,
+                               tail="compact", order="serving")  # fmt: skip
+        srv = BACKENDS[name].run(p)
+        ref = BACKENDS[name].run(dataclasses.replace(p, order="score"))
+        check_invariants(srv.cpu(), p.seq, topk=2048, kpool=4, tail="compact")
+        big = torch.iinfo(torch.int32).max
+        same = (torch.sort(srv.masked_fill(srv < 0, big), 1).values == torch.sort(ref.masked_fill(ref < 0, big), 1).values).all(1)
+        differ_order = int((srv != ref).any(1).sum())
+        record("serving-order", f"{name} {precision} sets == exact rule", float(same.float().mean()) >= 0.999,
+               rows=srv.shape[0], rows_same_set=int(same.sum()), rows_in_another_order=differ_order)  # fmt: skip
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sections", default="serving-kernels,selectors,tilelang-exact,tilelang-random,deepgemm,ranks")
+    ap.add_argument("--sections", default="serving-kernels,selectors,tilelang-exact,tilelang-random,deepgemm,ranks,serving-order")
     args = ap.parse_args()
     RESULTS["versions"] = versions()
     log(json.dumps(RESULTS["versions"]))
     table = {"serving-kernels": section_serving_kernels, "tilelang-exact": section_tilelang_exact,
              "tilelang-random": section_tilelang_random, "deepgemm": section_deepgemm,
-             "selectors": section_selectors, "ranks": section_ranks}  # fmt: skip
+             "selectors": section_selectors, "ranks": section_ranks, "serving-order": section_serving_order}  # fmt: skip
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         try:

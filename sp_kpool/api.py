@@ -160,7 +160,11 @@ def kpool_topk(
         backend: ``"torch"`` or ``"auto"`` (see ``python -m sp_kpool info``).
         tail: ``"fixed"`` (history in ``[0, T)``, tail in ``[T, T + K - 1)``) or
             ``"compact"`` (tail right after the history).
-        order: ``"ascending"`` pool id or ``"score"`` (descending, ties toward lower id).
+        order: ``"ascending"`` pool id or ``"score"`` (descending, ties toward lower id),
+            both deterministic and identical for every sharding; or ``"serving"``: the set
+            and order LMDeploy's ``sparse_index_topk`` returns (CUDA, lmdeploy installed,
+            ``topk // kpool`` in {512, 2048}; meant with ``tail="compact"``). Its order is
+            **not deterministic** between calls; use it only for parity with the rollout.
         alignment: the output width is rounded up to a multiple of this.
         max_logits_bytes: scratch budget of one scoring chunk (default
             ``$SP_KPOOL_MAX_LOGITS_BYTES`` or 256 MiB). Every rank's rows are bitwise equal

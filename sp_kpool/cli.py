@@ -39,6 +39,12 @@ def _cmd_info(args) -> int:
             why = b.not_supported_reasons(p)
             state = "available" if not why else "unavailable: " + "; ".join(why)
             print(f"  {b.name:<10} precision={precision:<13} priority={b.priority:<3} {state}")
+    from ._probe import probe
+
+    print("optional packages:")
+    for mod in ("triton", "tilelang", "deep_gemm", "lmdeploy.pytorch.kernels.cuda.sparse_index_topk"):
+        m, why = probe(mod)
+        print(f"  {mod:<50} {'importable ' + str(getattr(m, '__version__', '')) if m is not None else why}")
     return 0
 
 

@@ -28,13 +28,14 @@ __all__ = [
     "topk_pools_fast",
     "select_pools",
     "topk_pools_radix",
+    "serving_pools",
     "assemble",
     "TAILS",
     "ORDERS",
 ]
 
 TAILS = ("fixed", "compact")
-ORDERS = ("ascending", "score")
+ORDERS = ("ascending", "score", "serving")
 
 # Key of a masked-out (invisible) pool: below every real key, so it sorts last.
 _INVALID_KEY = torch.iinfo(torch.int64).min
@@ -227,7 +228,28 @@ def _radix_selector(k: int):
     return getattr(mod, "sparse_index_topk", None) if mod is not None else None
 
 
-def select_pools(scores, visible, k: int, col0, ends=None, ordered: bool = True) -> torch.Tensor:
+def serving_pools(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, selector) -> torch.Tensor:
+    """``order="serving"``: exactly what the serving selector returns, in its order.
+
+    LMDeploy's ``sparse_index_topk`` over each row's columns ``[0, ends[r])`` (``-inf`` at
+    invisible cells, which are dropped). Its set matches the exact rule except at exact
+    ties at the threshold, and its order comes from atomics: **not deterministic** between
+    calls. Use it only where parity with the rollout engine is the point.
+    """
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    R = scores.shape[0]
+    ones = torch.ones(R, dtype=torch.int32, device=scores.device)
+    idx = selector(scores, ones, ends.to(torch.int32).contiguous(), k).long()
+    ok = idx >= 0
+    ok &= scores.gather(1, idx.clamp(min=0)) > -float("inf")
+    # keep the selector's order among the kept ids; dropped ones move to the end
+    order = torch.sort((~ok).to(torch.int8), dim=-1, stable=True).indices
+    pools = torch.gather(idx + col0, 1, order)
+    return pools.masked_fill_(~torch.gather(ok, 1, order), -1)
+
+
+def select_pools(scores, visible, k: int, col0, ends=None, ordered: bool = True, order: str = "") -> torch.Tensor:
     """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` int64 pool ids, ``-1``.
 
     ``visible``: ``[R, N]`` bool, or ``None`` when ``scores`` already holds ``-inf`` at
@@ -237,6 +259,13 @@ def select_pools(scores, visible, k: int, col0, ends=None, ordered: bool = True)
     on CPU the int64-key path. All return the same ids by construction. ``ordered=False``
     lets the radix path skip ranking the set (valid ids still come first).
     """
+    if order == "serving":
+        selector = _radix_selector(k) if scores.device.type == "cuda" else None
+        if selector is None or ends is None:
+            raise ValueError(f"order: 'serving' needs CUDA, lmdeploy and k in (512, 2048) pools, got k = {k} on {scores.device}")
+        if visible is not None:
+            scores = scores.masked_fill(~visible, -float("inf"))
+        return serving_pools(scores, ends, k, col0, selector)
     if scores.device.type == "cuda":
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))

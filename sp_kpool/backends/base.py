@@ -121,6 +121,16 @@ class Backend:
         reasons = []
         if problem.precision not in self.precisions:
             reasons.append(f"precision {problem.precision!r} not implemented (has {list(self.precisions)})")
+        if problem.order == "serving":
+            from ..selection import _radix_selector
+
+            k = problem.topk // problem.kpool
+            if problem.device.type != "cuda":
+                reasons.append(f"order 'serving' needs the CUDA serving selector, inputs are on {problem.device}")
+            elif k not in (512, 2048):
+                reasons.append(f"order 'serving' needs topk // kpool in (512, 2048), got {k}")
+            elif _radix_selector(k) is None:
+                reasons.append("order 'serving' needs lmdeploy's sparse_index_topk (pip install 'sp-kpool[serving]')")
         return reasons
 
     def pool(self, problem: Problem, pool_tok_start: torch.Tensor) -> Any:
@@ -249,7 +259,9 @@ def select_rows(
             cols = torch.arange(hi - lo, device=device)
             visible = (cols[None] >= r_start[a - g0 : b - g0, None]) & (cols[None] < r_end[a - g0 : b - g0, None])
         with stage(problem, "select"):
-            pools = select_pools(scores, visible, k_sel, col0, row_ends, ordered=problem.order != "ascending")
+            pools = select_pools(
+                scores, visible, k_sel, col0, row_ends, ordered=problem.order != "ascending", order=problem.order
+            )
         out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
     return out
 

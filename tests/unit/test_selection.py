@@ -186,3 +186,16 @@ def test_radix_selection_with_check_equals_exact(levels):
     a1 = assemble(unordered - 3, meta, starts_tab, topk=4 * k, kpool=4, tail="compact", order="ascending", alignment=1)
     a2 = assemble(exact - 3, meta, starts_tab, topk=4 * k, kpool=4, tail="compact", order="ascending", alignment=1)
     assert torch.equal(a1, a2)
+
+
+def test_serving_order_keeps_the_selector_order_and_drops_invisible():
+    from sp_kpool.selection import serving_pools
+
+    scores = torch.tensor([[5.0, -float("inf"), 3.0, 9.0, 1.0, 7.0]])
+    ends = torch.tensor([6])
+
+    def selector(sc, q_seqlens, kv_seqlens, k):  # a fixed "atomic" order with an invisible pick
+        return torch.tensor([[3, 1, 0, 5]], dtype=torch.int32)
+
+    got = serving_pools(scores, ends, 4, 10, selector)
+    assert got.tolist() == [[13, 10, 15, -1]]
