@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from sp_kpool.backends import BACKENDS  # noqa: E402
+from sp_kpool.backends.base import default_max_logits_bytes  # noqa: E402
 from sp_kpool.pooling import pool_table  # noqa: E402
 from sp_kpool.selection import row_meta  # noqa: E402
 from sp_kpool.testing.problems import rank_slice_problem  # noqa: E402
@@ -122,7 +123,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="32,64")
     ap.add_argument("--total", type=int, default=131072)
-    ap.add_argument("--budget", type=int, default=8 << 30, help="max_logits_bytes for the GPU backends")
+    ap.add_argument("--budget", type=int, default=0, help="max_logits_bytes for the GPU backends (0: the library default)")
     ap.add_argument("--torch-baseline", action="store_true", help="also time the torch backend end to end (slow)")
     ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads,...' to time first")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -142,7 +143,7 @@ def main():
     for H in [int(h) for h in args.heads.split(",")]:
         for precision, name in (("bf16", "tilelang"), ("fp8", "deepgemm")):
             p = rank_slice_problem(args.total, 4, 3, heads=H, head_dim=128, topk=2048, precision=precision,
-                                   max_logits_bytes=args.budget, seed=H)  # fmt: skip
+                                   max_logits_bytes=args.budget or default_max_logits_bytes(), seed=H)  # fmt: skip
             pairs = causal_pairs(p)
             flops = 2.0 * pairs * H * 128
             row = {"backend": name, "precision": precision, "H": H, "rows": p.q.shape[0], "causal_pairs": pairs}

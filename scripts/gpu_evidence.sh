@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU evidence, in parts that fit one device call each. Run from the repository root on
+# a CUDA host whose Python can import sp_kpool's GPU packages (see shared gpu_wheels.sh).
+#   bash scripts/gpu_evidence.sh check   OUTDIR   # gpu_check.py (all sections) + bench_kernels.py
+#   bash scripts/gpu_evidence.sh ranks   OUTDIR   # torchrun NCCL over every GPU, GPU arms, scale options
+#   bash scripts/gpu_evidence.sh scale   OUTDIR   # scripts/bench.py under torchrun + parity replays + mpirun
+set -uo pipefail
+part=$1
+out=$2
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+filter() { grep -v "TileLang begins\|TileLang completes\|AnnotateWarpGroupRegAlloc"; }
+case $part in
+  check)
+    timeout 300 python3 scripts/gpu_check.py --out "$out" 2>&1 | filter > "$out/gpu_check.log"
+    echo "gpu_check: $(grep -c PASS "$out/gpu_check.log") PASS lines"; grep "FAIL" "$out/gpu_check.log" | cut -c1-400
+    timeout 200 python3 scripts/bench_kernels.py --torch-baseline --budget 0 --out "$out" 2>&1 | filter > "$out/bench_kernels.log"
+    cut -c1-600 "$out/bench_kernels.log"
+    ;;
+  ranks)
+    args="--arms bf16:torch,bf16:tilelang,bf16-serving:tilelang,fp8:deepgemm,fp8:torch --heads 64 --head-dim 128 --dtype bfloat16 --scale"
+    echo "torchrun --standalone --nproc_per_node $ngpu tests/multigpu/sharded_check.py $args" > "$out/torchrun.log"
+    timeout 400 python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpu" tests/multigpu/sharded_check.py $args 2>&1 | filter >> "$out/torchrun.log"
+    echo "torchrun rc=$?" >> "$out/torchrun.log"; tail -n 12 "$out/torchrun.log"
+    ;;
+  scale)
+    for arm in tilelang:bf16 deepgemm:fp8; do
+      b=${arm%%:*}; p=${arm##*:}
+      timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpu" scripts/bench.py --backends "$b" \
+        --precisions "$p" --seq-lens 131072 --heads 64 --gathers keys,pools --balances none,causal --out "$out" 2>&1 | filter | tail -n 20
+    done
+    C=/tmp/kpool_cap/synthetic-call0000.rank000-of-001.safetensors
+    timeout 60 python3 -m sp_kpool parity --synthetic --tokens 4096 --device cuda --capture-dir /tmp/kpool_cap --a fp8 --b bf16-serving --out "$out/parity/fp8_vs_bf16-serving" 2>&1 | tail -n 30
+    timeout 60 python3 -m sp_kpool parity $C --device cuda --a fp8 --b bf16 --out "$out/parity/fp8_vs_bf16" 2>&1 | tail -n 30
+    timeout 60 python3 -m sp_kpool parity $C --device cuda --a bf16-serving --b bf16 --out "$out/parity/bf16-serving_vs_bf16" 2>&1 | tail -n 30
+    timeout 60 python3 -m sp_kpool parity $C --device cuda --a fp8 --b fp8:torch --out "$out/parity/fp8_gpu_vs_torch" 2>&1 | tail -n 30
+    (cd "$out" && tar czf parity.tgz parity && rm -rf parity)
+    if command -v mpirun >/dev/null; then
+      timeout 120 mpirun -np "$ngpu" --allow-run-as-root --oversubscribe python3 -m mpi4py scripts/mpirun_smoke.py 2>&1 | tail -n 8 | tee "$out/mpirun.log"
+    fi
+    ;;
+esac
