@@ -143,7 +143,7 @@ def main():
     for H in [int(h) for h in args.heads.split(",")]:
         for precision, name in (("bf16", "tilelang"), ("fp8", "deepgemm")):
             p = rank_slice_problem(args.total, 4, 3, heads=H, head_dim=128, topk=2048, precision=precision,
-                                   max_logits_bytes=args.budget or default_max_logits_bytes(), seed=H)  # fmt: skip
+                                   max_logits_bytes=args.budget or default_max_logits_bytes("cuda"), seed=H)  # fmt: skip
             pairs = causal_pairs(p)
             flops = 2.0 * pairs * H * 128
             row = {"backend": name, "precision": precision, "H": H, "rows": p.q.shape[0], "causal_pairs": pairs}

@@ -167,7 +167,7 @@ def kpool_topk(
             **not deterministic** between calls; use it only for parity with the rollout.
         alignment: the output width is rounded up to a multiple of this.
         max_logits_bytes: scratch budget of one scoring chunk (default
-            ``$SP_KPOOL_MAX_LOGITS_BYTES`` or 256 MiB). Every rank's rows are bitwise equal
+            ``$SP_KPOOL_MAX_LOGITS_BYTES``, else 2 GiB on CUDA and 256 MiB elsewhere). Every rank's rows are bitwise equal
             to world size 1 computed with the same budget.
         precision: ``"bf16"`` (model definition), ``"bf16-serving"`` or ``"fp8"`` (serving
             parity, SPEC 6); default ``$SP_KPOOL_PRECISION`` read once, else ``"bf16"``.
@@ -199,7 +199,7 @@ def kpool_topk(
     value; with several ranks every rank raises the same error, before any data moves.
     """
     if max_logits_bytes is None:
-        max_logits_bytes = default_max_logits_bytes()
+        max_logits_bytes = default_max_logits_bytes(q.device if isinstance(q, torch.Tensor) else None)
     if precision is None:
         precision = resolve_precision(None)
     options = (topk, kpool, tail, order, alignment, max_logits_bytes, precision, gather, balance, balance_block)

@@ -208,7 +208,7 @@ class CaptureHook:
 
         opts = module.options
         mlb = opts.get("max_logits_bytes")
-        mlb = default_max_logits_bytes() if mlb is None else mlb
+        mlb = default_max_logits_bytes(hidden.device) if mlb is None else mlb
         problem = Problem(
             **prepared, seq=seq, topk=module.index_topk, kpool=module.index_kpool, tail=opts["tail"],
             order=opts["order"], alignment=opts["alignment"], max_logits_bytes=mlb, precision=precision,

@@ -770,7 +770,7 @@ def make_synthetic_capture(
     prepared = [mod.prepare(h, qr, precision) for h, qr in parts]
     k_all = torch.cat([p["k"] for p in prepared])
     g_all = torch.cat([p["gates"] for p in prepared])
-    mlb = default_max_logits_bytes()
+    mlb = default_max_logits_bytes(hidden.device)
     paths = []
     for s, p, (h, qr) in zip(seqs, prepared, parts):
         problem = Problem(

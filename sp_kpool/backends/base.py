@@ -31,6 +31,7 @@ __all__ = ["Problem", "Backend", "stage", "round_rows", "run_chunked", "select_r
 MAX_CHUNK_ROWS = 512
 _ENV_BUDGET = "SP_KPOOL_MAX_LOGITS_BYTES"
 _DEFAULT_BUDGET = 256 * 2**20
+_DEFAULT_BUDGET_CUDA = 2 * 2**30
 
 
 class stage:
@@ -54,11 +55,14 @@ class stage:
             self.times[self.name] = self.times.get(self.name, 0.0) + time.perf_counter() - self.t0
 
 
-def default_max_logits_bytes() -> int:
-    """The logits budget: ``$SP_KPOOL_MAX_LOGITS_BYTES`` if set, else 256 MiB."""
+def default_max_logits_bytes(device: torch.device | str | None = None) -> int:
+    """The logits budget: ``$SP_KPOOL_MAX_LOGITS_BYTES`` if set, else 2 GiB on CUDA devices
+    (fewer, larger chunks: each chunk costs a few host synchronisations) and 256 MiB
+    elsewhere. Ranks on the same kind of device get the same default, so results stay
+    bitwise equal across world sizes."""
     raw = os.environ.get(_ENV_BUDGET)
     if raw is None or raw == "":
-        return _DEFAULT_BUDGET
+        return _DEFAULT_BUDGET_CUDA if device is not None and torch.device(device).type == "cuda" else _DEFAULT_BUDGET
     try:
         value = int(raw)
     except ValueError:

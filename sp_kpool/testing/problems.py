@@ -93,7 +93,7 @@ def simulate_ranks(x: GlobalInputs, world_size: int, *, topk: int, kpool: int, b
     local = [shard_inputs(x, s) for s in seqs]
     k_all = torch.cat([d["k"] for d in local])
     gates_all = torch.cat([d["gates"] for d in local])
-    opts = dict(tail="fixed", order="ascending", alignment=1, max_logits_bytes=default_max_logits_bytes())
+    opts = dict(tail="fixed", order="ascending", alignment=1, max_logits_bytes=default_max_logits_bytes(x.q.device))
     opts.update(options)
     outs = []
     for s, d in zip(seqs, local):
