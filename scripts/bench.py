@@ -81,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="dtype of q, k, gates, head weights")
     ap.add_argument("--max-logits-bytes", type=int, default=None, help="scoring budget (default: the library's)")
     ap.add_argument("--balance-block", type=int, default=None, help="balance boundary multiple (default: chunk)")
+    ap.add_argument("--balance-row-cost", type=int, default=None,
+                    help="per-row constant of the balance work model (default: the backend's)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -272,7 +274,8 @@ def run_config(args, seq, inputs, device, cfg: dict, baseline) -> tuple[dict, to
         import torch.distributed as dist
     kw = dict(
         topk=args.topk, kpool=args.kpool, backend=cfg["backend"], precision=cfg["precision"], gather=cfg["gather"],
-        balance=cfg["balance"], balance_block=args.balance_block, max_logits_bytes=args.max_logits_bytes,
+        balance=cfg["balance"], balance_block=args.balance_block, balance_row_cost=args.balance_row_cost,
+        max_logits_bytes=args.max_logits_bytes,
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -416,6 +419,36 @@ def add_ratios(results: list[dict]) -> None:
             s["gather_bytes_vs_keys"] = s["gather_bytes_received_max"] / k["gather_bytes_received_max"]
 
 
+def fit_row_cost(results: list[dict]) -> dict:
+    """Per backend/precision, fit ``score + select seconds = a * pairs + b * rows`` over every
+    rank of every run (least squares, no intercept): ``b / a`` is the per-row constant of the
+    balance work model (``balance_row_cost``) that this machine and backend suggest."""
+    groups: dict = {}
+    for r in results:
+        if "skipped" in r["summary"]:
+            continue
+        key = f"{r['config']['backend']}/{r['config']['precision']}"
+        for p in r["per_rank"]:
+            rows = p["rows_scored"][1] - p["rows_scored"][0]
+            t = p["stage_s"].get("score", 0.0) + p["stage_s"].get("select", 0.0)
+            if rows > 0:
+                groups.setdefault(key, []).append((float(p["causal_pairs"]), float(rows), t))
+    out = {}
+    for key, pts in groups.items():
+        x = torch.tensor([[p, n] for p, n, _ in pts], dtype=torch.float64)
+        y = torch.tensor([[t] for *_, t in pts], dtype=torch.float64)
+        if len(pts) < 2 or torch.linalg.matrix_rank(x) < 2:
+            out[key] = {"points": len(pts), "fit": "needs runs with different rows per pair (2+ ranks or lengths)"}
+            continue
+        a, b = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+        resid = float((x @ torch.tensor([[a], [b]], dtype=torch.float64) - y).abs().max())
+        fit = {"points": len(pts), "seconds_per_pair": a, "seconds_per_row": b, "max_abs_residual_s": resid}
+        if a > 0 and b >= 0:
+            fit["suggested_balance_row_cost"] = int(round(b / a))
+        out[key] = fit
+    return out
+
+
 # ------------------------------------------------------------------------------ output
 
 
@@ -464,6 +497,11 @@ def markdown(doc: dict) -> str:
             f"{'' if ratio is None else f'1/{1 / ratio:.1f}'} | {s['pairs_imbalance']:.3f} | "
             f"{'yes' if s['equal_to_baseline'] else 'NO'} |"
         )
+    for key, fit in doc.get("balance_fit", {}).items():
+        if "suggested_balance_row_cost" in fit:
+            lines.append(f"\nBalance work model fit, {key}: score + select = {fit['seconds_per_pair']:.3g} s/pair + "
+                         f"{fit['seconds_per_row']:.3g} s/row over {fit['points']} rank runs: suggested "
+                         f"balance_row_cost = {fit['suggested_balance_row_cost']}")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -589,6 +627,9 @@ def main_rank(args, rank: int, world_size: int, device: torch.device, dist_backe
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     if rank == 0:
+        doc["balance_fit"] = fit_row_cost(doc["results"])
+        print("balance work model fit (score + select = a * pairs + b * rows): "
+              + json.dumps(doc["balance_fit"]), flush=True)  # fmt: skip
         write_outputs(base, doc, plot=not args.no_plot)
         print(f"wrote {base}.json, .md" + ("" if args.no_plot else ", .png"), flush=True)
 

@@ -9,7 +9,7 @@ import torch
 
 from .backends import Problem, resolve_backend
 from .backends.base import default_max_logits_bytes, stage
-from .balance import balanced_select, causal_partition, row_work_prefix
+from .balance import ROW_COST, balanced_select, causal_partition, row_work_prefix
 from .comm import CommStats, agree_or_raise, all_gather_rows
 from .pooling import pool_table
 from .precision import PRECISIONS, resolve_precision
@@ -48,7 +48,7 @@ def _check_tensor(name: str, x, shape: tuple, device: torch.device | None = None
 
 def _validate(
     q, k, gates, head_weights, ape, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision,
-    gather, balance, balance_block, stats,
+    gather, balance, balance_block, balance_row_cost, stats,
 ):  # fmt: skip
     """Local checks, in argument order; raises on the first problem found."""
     if not isinstance(seq, ShardedSequence):
@@ -70,6 +70,8 @@ def _validate(
         raise ValueError(f"balance: expected one of {list(BALANCES)}, got {balance!r}")
     if balance_block is not None:
         _check_int("balance_block", balance_block, 1)
+    if balance_row_cost is not None:
+        _check_int("balance_row_cost", balance_row_cost, 0)
     if stats is not None and not isinstance(stats, dict):
         raise TypeError(f"stats: expected a dict or None, got {type(stats).__name__}")
     _check_tensor("q", q, (None, None, None))
@@ -87,7 +89,10 @@ def _validate(
     _check_tensor("ape", ape, (kpool, D), dev)
 
 
-def _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision, gather, balance, balance_block):
+def _signature(
+    q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, precision, gather, balance, balance_block,
+    balance_row_cost,
+):  # fmt: skip
     """Integers that must agree on every rank (checked by one small all-gather)."""
     cu = seq.cu_seq_lens.numpy().tobytes()
     return [
@@ -107,6 +112,7 @@ def _signature(q, seq, topk, kpool, tail, order, alignment, max_logits_bytes, pr
         ("gather", GATHERS.index(gather) if gather in GATHERS else -1),
         ("balance", BALANCES.index(balance) if balance in BALANCES else -1),
         ("balance_block", balance_block if isinstance(balance_block, int) else -1),
+        ("balance_row_cost", balance_row_cost if isinstance(balance_row_cost, int) else -1),
     ]
 
 
@@ -130,6 +136,7 @@ def kpool_topk(
     gather: str = "keys",
     balance: str = "none",
     balance_block: int | None = None,
+    balance_row_cost: int | None = None,
     stats: dict | None = None,
 ) -> torch.Tensor:
     """Select pools of keys for every local query row; return global token ids.
@@ -187,6 +194,9 @@ def kpool_topk(
             (:mod:`sp_kpool.balance`).
         balance_block: boundaries of the balanced split are multiples of this many rows
             (default: the scoring chunk of the backend, so no chunk is scored twice).
+        balance_row_cost: the per-row constant of the work model, in (row, pool) scores
+            (default: the backend's ``balance_row_cost`` attribute if it has one, else
+            :data:`sp_kpool.balance.ROW_COST`). ``scripts/bench.py`` fits it from a run.
         stats: if a dict, it is filled with this rank's instrumented communication bytes
             (``bytes``: ``sent``, ``received``, ``by_tag``), per-stage wall seconds
             (``time_s``: gather, seam, pool, balance_exchange, score, select,
@@ -202,7 +212,10 @@ def kpool_topk(
         max_logits_bytes = default_max_logits_bytes(q.device if isinstance(q, torch.Tensor) else None)
     if precision is None:
         precision = resolve_precision(None)
-    options = (topk, kpool, tail, order, alignment, max_logits_bytes, precision, gather, balance, balance_block)
+    options = (
+        topk, kpool, tail, order, alignment, max_logits_bytes, precision, gather, balance, balance_block,
+        balance_row_cost,
+    )  # fmt: skip
     error = problem = chosen = part = None
     try:
         _validate(q, k, gates, head_weights, ape, seq, *options, stats)
@@ -216,9 +229,13 @@ def kpool_topk(
             block = balance_block
             if block is None:  # global quantities only: the same on every rank
                 block = chosen.chunk_rows(problem, tables[0].numel())
+            row_cost = balance_row_cost
+            if row_cost is None:
+                row_cost = getattr(chosen, "balance_row_cost", ROW_COST)
             part = causal_partition(
-                seq.real_cu_seq_lens, kpool=kpool, world_size=seq.world_size, shard_size=seq.shard_size, block=block
-            )
+                seq.real_cu_seq_lens, kpool=kpool, world_size=seq.world_size, shard_size=seq.shard_size,
+                block=block, row_cost=row_cost,
+            )  # fmt: skip
     except (TypeError, ValueError) as exc:
         if not isinstance(seq, ShardedSequence) or seq.world_size == 1:
             raise

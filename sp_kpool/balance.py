@@ -14,7 +14,11 @@ rank still *owns* (receives inputs for, and returns output for) its contiguous s
     owner              expands the pools, adds the tail, lays out its own rows
 
 Work of a row (SPEC 4): its number of visible pools ``(j + 1) // K`` (zero in the padding
-document), plus :data:`ROW_COST`, counted per document. Compute boundaries are multiples
+document), plus a per-row constant ``row_cost`` (:data:`ROW_COST` unless the backend sets
+``balance_row_cost`` or the caller passes ``balance_row_cost``), counted per document. The
+constant is the backend's fixed cost of a row in units of one (row, pool) score: small for
+the CPU torch backend, thousands where chunks carry fixed overheads (fit it from a run
+with ``scripts/bench.py``, which reports it). Compute boundaries are multiples
 of ``block`` (by default the scoring chunk of the backend, so no chunk of the global grid is
 scored by two ranks) except the last, which is the number of real rows.
 
@@ -48,8 +52,8 @@ __all__ = [
     "balanced_select",
 ]
 
-#: Per-row constant of the work model, in units of one (row, pool) score: a row's own
-#: handling (query preparation, its Top-K output) that does not grow with its history.
+#: Default per-row constant of the work model, in units of one (row, pool) score: a row's
+#: own handling (query preparation, its Top-K output) that does not grow with its history.
 ROW_COST = 1
 
 
@@ -72,6 +76,7 @@ class CausalPartition:
     block: int
     max_block_work: int
     applied: bool
+    row_cost: int = ROW_COST
 
     @property
     def mean_work(self) -> float:
@@ -90,6 +95,7 @@ class CausalPartition:
             "contiguous_work": list(self.contiguous_work),
             "total": self.total,
             "block": self.block,
+            "row_cost": self.row_cost,
             "max_block_work": self.max_block_work,
             "imbalance": self.imbalance(),
             "contiguous_imbalance": self.imbalance(contiguous=True),
@@ -160,6 +166,7 @@ def _partition_cached(
         block=block,
         max_block_work=block_work,
         applied=applied,
+        row_cost=row_cost,
     )
 
 
@@ -186,7 +193,7 @@ def contiguous_partition(
     work = _works(prefix, bounds)
     return CausalPartition(
         bounds=bounds, work=work, contiguous_work=work, total=int(prefix[-1]), block=shard_size,
-        max_block_work=max(work), applied=False,
+        max_block_work=max(work), applied=False, row_cost=row_cost,
     )  # fmt: skip
 
 

@@ -55,7 +55,7 @@ SCALE_CASES = [
     ScaleCase("no-complete-pool", (3, 2, 1, 3, 3, 2, 1), 4, 8, options=dict(balance_block=1)),
     ScaleCase("halo-two-ranks", (3, 26), 16, 32, options=dict(balance_block=2)),
     ScaleCase("tiny-padding-shard", (5,), 4, 8, options=dict(balance_block=1, tail="compact")),
-    ScaleCase("many-docs", tuple([9, 17, 4, 30, 1, 12] * 6), 2, 8, options=dict(balance_block=5)),
+    ScaleCase("many-docs", tuple([9, 17, 4, 30, 1, 12] * 6), 2, 8, options=dict(balance_block=5, balance_row_cost=3)),
     ScaleCase("fp8", (150, 41), 4, 16, torch.bfloat16, "fp8", options=dict(balance_block=8)),
     ScaleCase("bf16-serving", (97, 60), 4, 16, torch.bfloat16, "bf16-serving", options=dict(balance_block=8)),
 ]
@@ -128,7 +128,7 @@ def scale_vs_world1(
         x = make_inputs(list(case.lengths), heads=heads, head_dim=head_dim, kpool=case.kpool, seed=100 + i,
                         dtype=case.dtype)  # fmt: skip
         opts = dict(topk=case.topk, kpool=case.kpool, precision=case.precision, backend=backend, **case.options)
-        plain = {k: v for k, v in opts.items() if k != "balance_block"}
+        plain = {k: v for k, v in opts.items() if not k.startswith("balance_")}
         seq1 = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
         ref = kpool_topk(**shard_inputs(x, seq1, device), seq=seq1, **plain)
         seq = ShardedSequence.split(x.cu_seq_lens, world_size=world_size, rank=rank, group=group)
@@ -163,6 +163,7 @@ BAD_SCALE_OPTIONS = {
     "gather": dict(gather="all"),
     "balance": dict(balance="greedy"),
     "block": dict(balance="causal", balance_block=0),
+    "row_cost": dict(balance="causal", balance_row_cost=-1),
     "disagree": dict(gather="pools"),
     "stats": dict(stats=[]),
 }

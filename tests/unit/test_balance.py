@@ -82,6 +82,16 @@ def test_one_long_document_of_128k_on_4_ranks():
     assert abs(part.bounds[1] - S // 2) <= 512
 
 
+def test_a_large_row_cost_moves_the_cut_toward_equal_rows():
+    # work = visible pools + row_cost: the larger the constant, the closer to equal row counts
+    S, R = 4096, 2
+    cuts = [causal_partition(_cu([S]), kpool=4, world_size=R, shard_size=S // R, block=16, row_cost=c).bounds[1]
+            for c in (0, 256, 4096, 1 << 20)]  # fmt: skip
+    assert cuts == sorted(cuts, reverse=True), cuts
+    assert abs(cuts[0] - S / 2**0.5) <= 16  # work ~ t^2: the cut at S / sqrt(2)
+    assert cuts[-1] == S // 2  # rows dominate: the contiguous split (declined)
+
+
 @pytest.mark.parametrize("lengths, world_size", [
     ([8, 8, 8, 8], 4),          # every shard holds one whole document: already balanced
     ([3, 2, 1, 3] * 4, 4),      # no complete pool anywhere, equal shards
@@ -141,6 +151,7 @@ def test_world_size_one_options_are_bitwise_equal_and_report_stats():
     (dict(balance="greedy"), ValueError, "balance: expected one of ['none', 'causal'], got 'greedy'"),
     (dict(balance_block=0), ValueError, "balance_block: expected >= 1, got 0"),
     (dict(balance_block=2.0), TypeError, "balance_block: expected int, got 2.0"),
+    (dict(balance_row_cost=-1), ValueError, "balance_row_cost: expected >= 0, got -1"),
     (dict(stats=[]), TypeError, "stats: expected a dict or None, got list"),
 ])  # fmt: skip
 def test_bad_scale_options_are_named(kw, exc, text):

@@ -141,6 +141,7 @@ def test_bad_scale_option_on_one_rank_fails_on_every_rank_alike():
         "gather": "gather: expected one of ['keys', 'pools'], got 'all'",
         "balance": "balance: expected one of ['none', 'causal'], got 'greedy'",
         "block": "balance_block: expected >= 1, got 0",
+        "row_cost": "balance_row_cost: expected >= 0, got -1",
         "disagree": "gather: per rank [0, 0, 1]",
         "stats": "stats: expected a dict or None, got list",
     }
