@@ -1,8 +1,6 @@
 """Pool-then-gather: shard-local pools equal the gathered-keys pools bit for bit; gloo ranks
 run every combination of the scale options against world size 1 and count their bytes."""
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import given, settings
