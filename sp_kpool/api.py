@@ -241,7 +241,8 @@ def kpool_topk(
             raise
         error = f"{type(exc).__name__}: {exc}"
     counter = CommStats() if stats is not None else None
-    agree_or_raise(seq, error, _signature(q, seq, *options), stats=counter)
+    resolved = [("backend (resolved, crc32)", zlib.crc32(chosen.name.encode()) if chosen is not None else -1)]
+    agree_or_raise(seq, error, _signature(q, seq, *options) + resolved, stats=counter)
     if stats is not None:  # the driver times its stages (device synchronized) into this dict
         problem = dataclasses.replace(problem, stage_times={})
 

@@ -37,7 +37,8 @@ class KPoolIndexer(nn.Module):
             ``$SP_KPOOL_PRECISION``, read once); it decides both the preparation (key norm
             and head gate in FP32 with autocast off in the serving modes) and the selection
             arithmetic, from one resolution per call.
-        backend, tail, order, alignment, max_logits_bytes: passed to ``kpool_topk``.
+        backend, tail, order, alignment, max_logits_bytes, gather, balance, balance_block,
+        balance_row_cost: passed to ``kpool_topk`` (see there; none changes an output bit).
         device, dtype: of the parameters.
         capture_dir: record the inputs of the first forward call(s) to ``safetensors`` files
             in this directory, one per rank (default ``$SP_KPOOL_CAPTURE_DIR``, read here;
@@ -60,6 +61,10 @@ class KPoolIndexer(nn.Module):
         alignment: int = 1,
         max_logits_bytes: int | None = None,
         precision: str | None = None,
+        gather: str = "keys",
+        balance: str = "none",
+        balance_block: int | None = None,
+        balance_row_cost: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         capture_dir: str | None = None,
@@ -87,8 +92,9 @@ class KPoolIndexer(nn.Module):
         self.index_topk = index_topk
         self.index_kpool = index_kpool
         self.options = dict(
-            backend=backend, tail=tail, order=order, alignment=alignment, max_logits_bytes=max_logits_bytes
-        )
+            backend=backend, tail=tail, order=order, alignment=alignment, max_logits_bytes=max_logits_bytes,
+            gather=gather, balance=balance, balance_block=balance_block, balance_row_cost=balance_row_cost,
+        )  # fmt: skip
         self.wq_b = nn.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False, **fk)
         self.wk = nn.Linear(hidden_size, index_head_dim, bias=False, **fk)
         self.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6, **fk)

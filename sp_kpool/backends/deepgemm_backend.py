@@ -85,6 +85,8 @@ class DeepGemmBackend(Backend):
     priority = 20
     masks_scores = True
     max_chunk_rows = 1 << 16
+    #: Per-row constant of the balance work model (see TileLangBackend): b / a ~ 11500.
+    balance_row_cost = 11500
     heads_supported = (32, 64)
     dims_supported = (128,)
 

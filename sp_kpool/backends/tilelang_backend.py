@@ -25,6 +25,10 @@ class TileLangBackend(Backend):
     priority = 20
     masks_scores = True
     max_chunk_rows = 1 << 15
+    #: Per-row constant of the balance work model, in (row, pool) scores: fitted
+    #: (score + select = a * pairs + b * rows) on the 2 x H200 runs in
+    #: benchmarks/results/2026-11-29-h200/final (b / a ~ 5900 at the 256 MiB budget).
+    balance_row_cost = 5900
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         from ..kernels.tilelang_score import SUPPORTED_DIMS, SUPPORTED_HEADS

@@ -80,3 +80,18 @@ def test_state_dict_names_match_checkpoint():
         "index_kpool_compress_gate", "index_kpool_compress_ape",
     ])  # fmt: skip
     assert not any(p.requires_grad for p in m.parameters())
+
+
+def test_indexer_scale_keywords_change_no_bit():
+    kw = dict(hidden_size=32, q_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=16)
+    plain = KPoolIndexer(**kw)
+    scaled = KPoolIndexer(**kw, gather="pools", balance="causal", balance_block=8, balance_row_cost=3)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    scaled.load_state_dict(plain.state_dict(), strict=True)
+    hidden, q_resid = torch.randn(77, 32, generator=g), torch.randn(77, 16, generator=g)
+    seq = ShardedSequence.split([0, 40, 77], world_size=1, rank=0)
+    assert torch.equal(plain(hidden, q_resid, seq), scaled(hidden, q_resid, seq))
+    assert scaled.options["gather"] == "pools" and scaled.options["balance"] == "causal"
