@@ -4,6 +4,7 @@
 #   bash scripts/gpu_evidence.sh check   OUTDIR   # gpu_check.py (all sections) + bench_kernels.py
 #   bash scripts/gpu_evidence.sh ranks   OUTDIR   # torchrun NCCL over every GPU, GPU arms, scale options
 #   bash scripts/gpu_evidence.sh scale   OUTDIR   # scripts/bench.py under torchrun + parity replays + mpirun
+#   bash scripts/gpu_evidence.sh perf    OUTDIR   # bench_kernels.py + scripts/bench.py, library defaults only
 set -uo pipefail
 part=$1
 out=$2
@@ -39,5 +40,14 @@ case $part in
     if command -v mpirun >/dev/null; then
       timeout 120 mpirun -np "$ngpu" --allow-run-as-root --oversubscribe python3 -m mpi4py scripts/mpirun_smoke.py 2>&1 | tail -n 8 | tee "$out/mpirun.log"
     fi
+    ;;
+  perf)
+    timeout 200 python3 scripts/bench_kernels.py --torch-baseline --out "$out" 2>&1 | filter > "$out/bench_kernels.log"
+    cut -c1-700 "$out/bench_kernels.log"
+    for arm in tilelang:bf16 deepgemm:fp8; do
+      b=${arm%%:*}; p=${arm##*:}
+      timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpu" scripts/bench.py --backends "$b" \
+        --precisions "$p" --seq-lens 131072 --heads 64 --gathers keys,pools --balances none,causal --out "$out" 2>&1 | filter | tail -n 6
+    done
     ;;
 esac
