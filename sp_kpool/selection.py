@@ -69,7 +69,8 @@ def row_meta(
 
     ``real_cu_seq_lens`` (``[num_docs + 1]``) and ``doc_pool_offset`` (from
     :func:`sp_kpool.pooling.pool_table`) describe real documents only; rows at or past
-    ``real_cu_seq_lens[-1]`` are padding.
+    ``real_cu_seq_lens[-1]`` are padding. In loops on CUDA pass them already on the device
+    (a host-to-device copy makes the host wait for the queued kernels).
     """
     device = rows.device
     cu = real_cu_seq_lens.to(device)

@@ -230,6 +230,9 @@ def select_rows(
     C = backend.chunk_rows(problem, num_pools)
     num_real = seq.num_real_tokens
     H, D = problem.heads, problem.head_dim
+    # device copies made once: a host-to-device copy inside the loop would make the host
+    # wait for the chunk's kernels before it can queue the next ones
+    real_cu_dev, offs_dev = real_cu.to(device), doc_pool_offset.to(device)
     for g0 in range((lo_row // C) * C, hi_row, C):
         g1 = min(g0 + C, num_real)
         a, b = max(g0, lo_row), min(g1, hi_row)  # rows of this chunk computed here
@@ -239,7 +242,7 @@ def select_rows(
             continue
         # the call has the same shape and row positions whichever rank computes it; rows not
         # computed here (and past the real length) get empty ranges, so kernels skip them
-        meta = row_meta(torch.arange(g0, g0 + C, device=device), real_cu, doc_pool_offset, kpool)
+        meta = row_meta(torch.arange(g0, g0 + C, device=device), real_cu_dev, offs_dev, kpool)
         mine = torch.zeros(C, dtype=torch.bool, device=device)
         mine[a - g0 : b - g0] = True
         r_start = torch.where(mine, (meta.pool_lo - lo).clamp(0, hi - lo), 0)
@@ -281,13 +284,14 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
     if own_hi <= own_lo:
         return out  # this shard holds only padding
     pts_dev = tables[0].to(device)
+    # host-to-device copies before any kernel is queued (see select_rows)
+    meta = row_meta(torch.arange(own_lo, own_hi, device=device), seq.real_cu_seq_lens.to(device), tables[1].to(device), kpool)
     if pooled is None and pts_dev.numel():
         with stage(problem, "pool"):
             pooled = backend.pool(problem, pts_dev)
     n = own_hi - own_lo
     pools = select_rows(backend, problem, pooled, tables, own_lo, own_hi, problem.q[:n], problem.head_weights[:n])
     with stage(problem, "expand"):
-        meta = row_meta(torch.arange(own_lo, own_hi, device=device), seq.real_cu_seq_lens, tables[1], kpool)
         out[:n] = assemble(
             pools,
             meta,
