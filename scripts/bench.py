@@ -41,7 +41,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -394,24 +393,14 @@ def main_rank(args, rank: int, world_size: int, device: torch.device, dist_backe
         print(f"wrote {base}.json, .md" + ("" if args.no_plot else ", .png"), flush=True)
 
 
-def _spawned(rank: int, args, store_path: str, dist_backend: str) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    ws = args.world_size
+def _spawned(rank: int, ws: int, args, dist_backend: str) -> None:
+    """One rank spawned by ``run_ranks`` (process group already initialized)."""
     if dist_backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ws))
-    store = dist.FileStore(store_path, ws)
-    dist.init_process_group(dist_backend, store=store, rank=rank, world_size=ws, timeout=timedelta(seconds=args.timeout))
-    try:
-        main_rank(args, rank, ws, device, dist_backend)
-    finally:
-        dist.destroy_process_group()
+    main_rank(args, rank, ws, device, dist_backend)
 
 
 def main(argv=None) -> int:
@@ -438,21 +427,10 @@ def main(argv=None) -> int:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         main_rank(args, 0, 1, device, None)
         return 0
-    import torch.multiprocessing as mp
+    from sp_kpool.testing.dist import run_ranks
 
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "gloo"
-    with tempfile.TemporaryDirectory(prefix="sp_kpool_bench_") as tmp:
-        ctx = mp.start_processes(_spawned, args=(args, os.path.join(tmp, "store"), backend),
-                                 nprocs=args.world_size, join=False, start_method="spawn")  # fmt: skip
-        try:
-            while not ctx.join(timeout=1.0):
-                pass
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(5)
+    run_ranks(_spawned, args.world_size, (args, backend), backend=backend, timeout=float("inf"), pg_timeout=args.timeout)
     return 0
 
 

@@ -18,13 +18,15 @@ import torch
 __all__ = ["run_ranks"]
 
 
-def _rank_main(rank: int, fn: Callable, world_size: int, store_path: str, backend: str, out_dir: str, args: tuple):
+def _rank_main(
+    rank: int, fn: Callable, world_size: int, store_path: str, backend: str, out_dir: str, args: tuple, pg_timeout: float
+):
     import torch.distributed as dist
 
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -33,12 +35,19 @@ def _rank_main(rank: int, fn: Callable, world_size: int, store_path: str, backen
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, args: tuple = (), *, backend: str = "gloo", timeout: float = 120.0
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    pg_timeout: float = 30.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank.
 
     ``fn`` must be importable (module level). The default process group is initialized
-    in each rank (``backend`` ``"gloo"`` or ``"nccl"``). Raises the failing rank's error
+    in each rank (``backend`` ``"gloo"`` or ``"nccl"``, collective timeout ``pg_timeout``
+    seconds; with NCCL each rank is set to its own GPU). Raises the failing rank's error
     (``torch.multiprocessing.ProcessRaisedException``) or ``TimeoutError`` past ``timeout`` s.
     """
     import torch.multiprocessing as mp
@@ -47,7 +56,7 @@ def run_ranks(
         store_path = os.path.join(tmp, "store")
         ctx = mp.start_processes(
             _rank_main,
-            args=(fn, world_size, store_path, backend, tmp, args),
+            args=(fn, world_size, store_path, backend, tmp, args, pg_timeout),
             nprocs=world_size,
             join=False,
             start_method="spawn",
