@@ -25,114 +25,30 @@ selected **history pools** of a row (the tail is the same in every arm); only ro
 choice (more visible pools than ``topk // K``) can differ. With ``repeat`` every arm's
 pools, scores and ids are computed twice and checked bitwise equal (determinism).
 
-Outputs: :func:`format_table`, a JSON-ready dict, and two PNG plots (per-query Jaccard
-overlap vs position; histogram of ``log10 |A - B|`` over valid score slots).
+Arms and one arm's run (steps 1-3) are in :mod:`sp_kpool.parity.arms`; the report's table,
+JSON and plots in :mod:`sp_kpool.parity.report`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .backends import Problem, backend_names, resolve_backend
-from .capture import Capture, load_capture_set
-from .pooling import pool_table
-from .precision import PRECISIONS
-from .selection import row_meta
-from .serving import hadamard
+from ..capture import load_capture_set
+from ..pooling import pool_table
+from ..selection import row_meta
+from ..serving import hadamard
+from .arms import Arm, _ArmRun, _device, _run_arm
 
-__all__ = [
-    "Arm",
-    "replay",
-    "format_table",
-    "write_outputs",
-    "make_synthetic_capture",
-    "gathered_problem",
-    "selected_pool_sets",
-    "stderr_progress",
-    "HIST_EDGES",
-]
+__all__ = ["replay", "selected_pool_sets", "stderr_progress", "HIST_EDGES"]
 
 #: Bin edges of the ``log10 |A - B|`` histogram (exact zeros are counted apart).
 HIST_EDGES = (-12.0, 4.0, 160)
-
-
-@dataclass(frozen=True)
-class Arm:
-    """``precision[:backend]``; ``backend`` defaults to ``auto``."""
-
-    precision: str
-    backend: str = "auto"
-
-    @classmethod
-    def parse(cls, text: str) -> "Arm":
-        precision, _, backend = str(text).partition(":")
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"arm: expected precision[:backend] with precision in {list(PRECISIONS)}, got {text!r}"
-            )
-        backend = backend or "auto"
-        if backend not in backend_names():
-            raise ValueError(f"arm {text!r}: backend expected one of {backend_names()}, got {backend!r}")
-        return cls(precision, backend)
-
-    def __str__(self) -> str:
-        return f"{self.precision}:{self.backend}"
-
-
-# --------------------------------------------------------------------------- arms
-
-
-@dataclass
-class _ArmRun:
-    arm: Arm
-    backend: Any
-    problem: Problem
-    pooled: Any
-    ids: torch.Tensor
-
-
-def _autocast(capture: Capture, device: torch.device):
-    state = capture.meta["autocast"]
-    if state == "off":
-        return torch.autocast(device.type, enabled=False)
-    return torch.autocast(device.type, dtype=getattr(torch, state))
-
-
-def gathered_problem(captures: list[Capture], target: Capture, indexer, precision: str, device) -> Problem:
-    """The ``Problem`` that rank ``target.rank`` of the live call ran after its all-gather."""
-    m = target.meta
-    k_parts, g_parts, local = [], [], None
-    with _autocast(target, device):
-        for c in captures:
-            p = indexer.prepare(c.hidden.to(device), c.q_resid.to(device), precision)
-            k_parts.append(p["k"])
-            g_parts.append(p["gates"])
-            if c is target:
-                local = p
-    return Problem(
-        q=local["q"], head_weights=local["head_weights"], k=torch.cat(k_parts), gates=torch.cat(g_parts),
-        ape=local["ape"], seq=target.seq(), topk=m["topk"], kpool=m["kpool"], tail=m["tail"], order=m["order"],
-        alignment=m["alignment"], max_logits_bytes=m["max_logits_bytes"], precision=precision,
-    )  # fmt: skip
-
-
-def _run_arm(captures, target, indexer, arm: Arm, device, pts_dev, say) -> _ArmRun:
-    say(f"arm {arm}: preparing {len(captures)} rank file(s)")
-    problem = gathered_problem(captures, target, indexer, arm.precision, device)
-    backend = resolve_backend(arm.backend, problem)
-    say(f"arm {arm}: pooling and selecting with backend {backend.name}")
-    pooled = backend.pool(problem, pts_dev) if pts_dev.numel() else None
-    ids = backend.run(problem, pooled)
-    return _ArmRun(arm, backend, problem, pooled, ids)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -221,12 +137,6 @@ class _Progress:
             return
         self.last = now
         self.sink(f"[parity {now - self.t0:7.1f} s] {msg}")
-
-
-def _device(device) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def _pool_diffs(pooled_a, pooled_b) -> dict[str, Any]:
@@ -400,7 +310,6 @@ def _topk_diffs(ids_a, ids_b, meta, start_to_pool, T: int, K: int):
     return stats, choice, jac
 
 
-
 # --------------------------------------------------------------------------- replay
 
 
@@ -528,269 +437,5 @@ def replay(
     return report
 
 
-# --------------------------------------------------------------------------- output
-
-
-def _g(x: Any) -> str:
-    if x is None:
-        return "n/a"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, int):
-        return f"{x:,}"
-    if isinstance(x, float):
-        return "0" if x == 0 else f"{x:.4g}"
-    return str(x)
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """The report as an aligned text table."""
-    c, arms, d = report["capture"], report["arms"], report["diff"]
-    A, B = arms["A"], arms["B"]
-    lines = [
-        f"sp_kpool parity: {Path(c['path']).name}  (rank {c['rank']}/{c['world_size']}, rows "
-        f"[{c['shard'][0]}, {c['shard'][1]}), {c['real_rows']:,} real, {c['num_pools']:,} pools, "
-        f"H={c['heads']} D={c['head_dim']} K={c['kpool']} T={c['topk']})",
-        f"captured: {c['precision']} on backend {c['backend']} ({c['source']}, {c['device']}, autocast {c['autocast']}); "
-        f"replayed on {report['replay']['device']} ({report['replay']['device_name']})",
-        f"A = {A['arm']} -> backend {A['backend']};  B = {B['arm']} -> backend {B['backend']}",
-        "",
-    ]
-    rows: list[tuple[str, str, str]] = [
-        ("per arm", "A", "B"),
-        ("valid causal score slots (from cu_seq_lens)", _g(A["valid_slots"]), _g(B["valid_slots"])),
-        ("NaN in valid slots", _g(A["nan_in_valid_slots"]), _g(B["nan_in_valid_slots"])),
-        ("Inf in valid slots", _g(A["inf_in_valid_slots"]), _g(B["inf_in_valid_slots"])),
-    ]
-    if "repeat_bitwise_equal" in A:
-        for part in ("pools", "scores", "ids"):
-            rows.append(
-                (f"same arm repeated: {part} bitwise equal", _g(A["repeat_bitwise_equal"][part]), _g(B["repeat_bitwise_equal"][part]))
-            )  # fmt: skip
-    rows.append(("replay reproduces the captured ids", _g(A["reproduces_captured_ids"]), _g(B["reproduces_captured_ids"])))
-    rows.append(("", "", ""))
-    rows.append(("A vs B", "value", ""))
-
-    def stat(label: str, s: dict | None) -> None:
-        if s is None:
-            rows.append((label, "n/a", ""))
-            return
-        rows.append((f"{label}: max |A-B|", _g(s["max_abs"]), ""))
-        rows.append((f"{label}: rel L2 ||A-B||/||B||", _g(s["rel_l2"]), ""))
-        rows.append((f"{label}: elements differing", f"{_g(s['differing'])} / {_g(s['elements'])}", ""))
-
-    stat("keys k (all rows)", d["keys"])
-    stat("head weights", d["head_weights"])
-    rows.append(("queries q bitwise equal", _g(d["queries_bitwise_equal"]), ""))
-    fp8_arm = d["pools_rotated_space"] is not None
-    stat("pools, model space" + (" (fp8 rotated back)" if fp8_arm else ""), d["pools_model_space"])
-    if fp8_arm:
-        stat("pools, rotated space (as fp8 stores them)", d["pools_rotated_space"])
-    rows.append(("pools bitwise equal (as stored)", _g(d["pools_bitwise_equal"]), ""))
-    s = d["scores"]
-    rows.append(("scores on valid slots: rel L2 ||A-B||/||B||", _g(s["rel_l2"]), ""))
-    rows.append(("scores on valid slots: max |A-B|", _g(s["max_abs"]), ""))
-    rows.append(("scores on valid slots: bitwise equal", f"{_g(s['bitwise_equal_slots'])} / {_g(s['compared'])}", ""))
-    t = d["topk"]
-    rows.append(("rows with a Top-K choice (visible pools > T/K)", f"{_g(t['rows_with_choice'])} / {_g(t['rows'])}", ""))
-    rows.append(
-        (
-            "queries whose Top-K pool sets differ",
-            f"{_g(t['rows_differing'])} ({100 * t['fraction_of_rows']:.3g}% of rows, "
-            f"{100 * t['fraction_of_rows_with_choice']:.3g}% of rows with a choice)",
-            "",
-        )
-    )
-    j = t["jaccard_rows_with_choice"]
-    if j:
-        rows.append(
-            (
-                "Jaccard overlap, rows with a choice",
-                f"min {j['min']:.4f}  p1 {j['p1']:.4f}  p5 {j['p5']:.4f}  p10 {j['p10']:.4f}  "
-                f"p50 {j['p50']:.4f}  mean {j['mean']:.4f}",
-                "",
-            )
-        )
-    bad = t["selected_ids_not_pool_starts"]
-    if bad["A"] or bad["B"]:
-        rows.append(("rows with ids that are not whole pools (A, B)", f"{bad['A']}, {bad['B']}", ""))
-    rows.append(("ids bitwise equal (whole output)", _g(d["ids_bitwise_equal"]), ""))
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows if r[2])  # the per-arm columns are right-aligned
-    w2 = max(len(r[2]) for r in rows)
-    for label, x, y in rows:
-        lines.append(f"{label:<{w0}}  {x:>{w1}}  {y:>{w2}}" if y else f"{label:<{w0}}  {x}".rstrip())
-    lines.append(f"({report['replay']['seconds']:.1f} s)")
-    return "\n".join(lines)
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-def write_outputs(report: dict[str, Any], out_dir: str | os.PathLike, *, plots: bool = True) -> list[Path]:
-    """Write ``parity.json``, ``parity.txt`` and (with matplotlib) the two PNG plots."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    p = out / "parity.json"
-    p.write_text(json.dumps(_jsonable(report), indent=1) + "\n")
-    written.append(p)
-    p = out / "parity.txt"
-    p.write_text(format_table(report) + "\n")
-    written.append(p)
-    if plots:
-        written += _plots(report, out)
-    return written
-
-
-def _plots(report: dict[str, Any], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError("the parity plots need matplotlib (pip install 'sp-kpool[test]' or matplotlib)") from None
-    arms = report["arms"]
-    title = f"A = {arms['A']['arm']} ({arms['A']['backend']}) vs B = {arms['B']['arm']} ({arms['B']['backend']})"
-    pq = report["per_query"]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    x = [r for r, c in zip(pq["row"], pq["has_choice"]) if c]
-    y = [v for v, c in zip(pq["jaccard"], pq["has_choice"]) if c]
-    ax.scatter(x, y, s=2, lw=0)
-    ax.set_xlabel("query position (global token id)")
-    ax.set_ylabel("Jaccard overlap of Top-K pool sets")
-    ax.set_ylim(min([*y, 0.9]) - 0.02, 1.01)
-    ax.set_title(f"{title}\nrows with a choice: {len(x):,}, differing: {report['diff']['topk']['rows_differing']:,}", fontsize=9)
-    fig.tight_layout()
-    p1 = out / "overlap_vs_position.png"
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
-
-    h = report["histogram"]
-    e, cnt = h["log10_abs_diff_edges"], h["counts"]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    ax.stairs(cnt, e, fill=True)
-    used = [i for i, v in enumerate(cnt) if v]
-    if used:
-        ax.set_xlim(e[used[0]] - 0.5, e[used[-1] + 1] + 0.5)
-    ax.set_xlabel("log10 |score A - score B| on valid causal slots")
-    ax.set_ylabel("slots")
-    s = report["diff"]["scores"]
-    ax.set_title(
-        f"{title}\n{s['compared']:,} slots, exact zeros {h['exact_zero']:,}, rel L2 {_g(s['rel_l2'])}, max {_g(s['max_abs'])}",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    p2 = out / "score_diff_hist.png"
-    fig.savefig(p2, dpi=120)
-    plt.close(fig)
-    return [p1, p2]
-
-
-# --------------------------------------------------------------------------- synthetic
-
-
-@torch.no_grad()
-def make_synthetic_capture(
-    directory: str | os.PathLike,
-    *,
-    tokens: int = 4096,
-    docs: int = 1,
-    world_size: int = 1,
-    hidden_size: int = 4096,
-    q_lora_rank: int = 1536,
-    heads: int = 32,
-    head_dim: int = 128,
-    topk: int = 2048,
-    kpool: int = 4,
-    precision: str = "bf16",
-    backend: str = "torch",
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    tag: str = "synthetic",
-) -> list[Path]:
-    """Random, real-shaped capture files (one per rank), as a live call would write them.
-
-    Parameters are scaled like a trained layer (``N(0, 1/fan_in)`` projections, LayerNorm
-    weight ``1 + N(0, 1)``, ``ape ~ N(0, 0.25)``), hidden states and ``q_resid`` are
-    ``N(0, 1)``; everything is drawn on the CPU from ``seed`` (the same bits on any device).
-    World size 1 runs the real ``KPoolIndexer.forward`` with its capture hook. More ranks
-    simulate the live ranks in this process: each rank's rows are prepared on their own,
-    keys and gates are concatenated (what the all-gather returns), and each rank's ids come
-    from the backend's real driver. Returns the paths, by rank.
-    """
-    from . import capture as cap_mod
-    from .backends.base import default_max_logits_bytes
-    from .indexer import KPoolIndexer
-    from .sharding import ShardedSequence
-    from .testing.problems import random_doc_lengths
-
-    dev = _device(device)
-    lengths = random_doc_lengths(tokens, docs, seed=seed) if docs > 1 else [tokens]
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    mod = KPoolIndexer(
-        hidden_size=hidden_size, q_lora_rank=q_lora_rank, index_n_heads=heads, index_head_dim=head_dim,
-        index_topk=topk, index_kpool=kpool, backend=backend, precision=precision, device=dev, dtype=dtype,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(seed)
-    for name, p in mod.named_parameters():
-        if name == "k_norm.weight":
-            v = 1.0 + torch.randn(p.shape, generator=g)
-        elif name == "k_norm.bias":
-            v = torch.randn(p.shape, generator=g)
-        elif name == "index_kpool_compress_ape":
-            v = 0.5 * torch.randn(p.shape, generator=g)
-        else:
-            v = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
-        p.copy_(v.to(dtype))
-    seqs = [ShardedSequence.split(cu, world_size=world_size, rank=r) for r in range(world_size)]
-    S = seqs[0].total_length
-    hidden = torch.zeros(S, hidden_size, dtype=dtype)
-    q_resid = torch.zeros(S, q_lora_rank, dtype=dtype)
-    hidden[:tokens] = torch.randn(tokens, hidden_size, generator=g).to(dtype)
-    q_resid[:tokens] = torch.randn(tokens, q_lora_rank, generator=g).to(dtype)
-    hidden, q_resid = hidden.to(dev), q_resid.to(dev)
-    if world_size == 1:
-        hook = cap_mod.enable(mod, directory, calls=1, tag=tag)
-        hook.source = "synthetic"
-        mod(hidden, q_resid, seqs[0])
-        return [cap_mod.capture_path(directory, tag, 0, 0, 1)] if hook.done else []
-    parts = [(hidden[s.shard_start : s.shard_end], q_resid[s.shard_start : s.shard_end]) for s in seqs]
-    prepared = [mod.prepare(h, qr, precision) for h, qr in parts]
-    k_all = torch.cat([p["k"] for p in prepared])
-    g_all = torch.cat([p["gates"] for p in prepared])
-    mlb = default_max_logits_bytes(hidden.device)
-    paths = []
-    for s, p, (h, qr) in zip(seqs, prepared, parts):
-        problem = Problem(
-            q=p["q"], head_weights=p["head_weights"], k=k_all, gates=g_all, ape=p["ape"], seq=s, topk=topk,
-            kpool=kpool, tail="fixed", order="ascending", alignment=1, max_logits_bytes=mlb, precision=precision,
-        )  # fmt: skip
-        chosen = resolve_backend(backend, problem)
-        ids = chosen.run(problem)
-        meta = {
-            "topk": topk, "kpool": kpool, "heads": heads, "tail": "fixed", "order": "ascending", "alignment": 1,
-            "max_logits_bytes": mlb, "precision": precision, "backend": backend, "backend_resolved": chosen.name,
-            "device": str(dev), "autocast": "off", "tag": tag, "call": 0,
-            "source": f"synthetic (simulated {world_size} ranks)",
-        }  # fmt: skip
-        path = cap_mod.capture_path(directory, tag, 0, s.rank, world_size)
-        cap_mod.write_capture(path, hidden=h, q_resid=qr, ids=ids, seq=s, params=dict(mod.state_dict()), meta=meta)
-        paths.append(path)
-    return paths
-
-
 def stderr_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
