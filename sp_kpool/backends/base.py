@@ -7,9 +7,11 @@ the chunk grid, deterministic Top-K, expansion, tail and layout.
 
 Bitwise equality across world sizes: query rows are scored in chunks of ``C`` rows on a
 grid aligned to *global* row ids, and every chunk is scored against the pool range of the
-whole global chunk, with the rows this rank does not own set to zero. ``C`` depends only on
-global quantities (heads, pools, real length, the logits budget). So a given row is always
-computed by the same kernel call shape at the same position, whichever rank owns it.
+whole global chunk, with the rows this rank does not compute set to zero and given empty
+pool ranges (kernels skip them). ``C`` depends only on global quantities (heads, pools,
+real length, the logits budget, the backend). So a given row is always computed by the same
+kernel call shape at the same position, whichever rank computes it; this was checked bit
+for bit on CPU (gloo), and on an H200 for the TileLang and DeepGEMM kernels.
 """
 
 from __future__ import annotations
@@ -215,9 +217,10 @@ def select_rows(
 
     ``q [hi_row - lo_row, H, D]`` and ``w [hi_row - lo_row, H]`` are those rows' queries and
     raw head weights, ``tables`` is ``pool_table(real_cu_seq_lens, kpool)``. Returns
-    ``[hi_row - lo_row, min(topk // kpool, ...)]`` int64 global pool ids in score order,
-    ``-1`` unused, padded to ``topk // kpool`` columns. Any rank computing a row gets the
-    same bits (global chunk grid, see the module docstring).
+    ``[hi_row - lo_row, topk // kpool]`` int64 global pool ids, ``-1`` unused: in score order
+    for ``order="score"``, in the serving selector's order for ``"serving"``, in no fixed
+    order for ``"ascending"`` (:func:`~sp_kpool.selection.assemble` sorts them). Any rank
+    computing a row gets the same set (global chunk grid, see the module docstring).
     """
     seq, kpool, device = problem.seq, problem.kpool, problem.device
     real_cu = seq.real_cu_seq_lens
