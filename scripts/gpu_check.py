@@ -290,6 +290,16 @@ def section_selectors(quick):
         if sel is not None:
             rad, _ = topk_pools_radix(masked, en, 512, 5, sel)
             record("selectors", f"radix + check == exact levels={levels}", torch.equal(rad, exact))
+        from sp_kpool.kernels.triton_select import topk_ascending
+        from sp_kpool.selection import _ascending
+
+        for k in (1, 512, 2048):
+            ref = _ascending(topk_pools(scores, vis, k, 5)[0]).int()
+            base = torch.full((R,), 5, dtype=torch.int64, device="cuda")
+            got = topk_ascending(scores, st, en, base, k)[:, : ref.shape[1]]
+            got2 = topk_ascending(masked, st, en, base, k, tile=1024, num_warps=4)[:, : ref.shape[1]]
+            record("selectors", f"triton topk_ascending == exact levels={levels} k={k}",
+                   torch.equal(got, ref) and torch.equal(got2, ref))  # fmt: skip
 
 
 def section_ranks(quick):

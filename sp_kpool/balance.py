@@ -291,7 +291,7 @@ def _route_pools(problem, pools, own, comp, stats):
     for peer in range(R):  # computers in rank order = global row order
         a, b = _overlap(comp[peer], own[me])
         if b > a:
-            mine.append(pools[a - c_lo : b - c_lo] if peer == me else got[peer].to(torch.int64))
+            mine.append(pools[a - c_lo : b - c_lo] if peer == me else got[peer].to(pools.dtype))
     return torch.cat(mine)
 
 
@@ -337,6 +337,6 @@ def balanced_select(
             meta = row_meta(torch.arange(a, b, device=device), seq.real_cu_seq_lens, tables[1], kpool)
             out[: b - a] = assemble(
                 mine, meta, tables[0].to(device), topk=problem.topk, kpool=kpool,
-                tail=problem.tail, order=problem.order, alignment=problem.alignment,
+                tail=problem.tail, order=problem.order, alignment=problem.alignment, presorted=True,
             )  # fmt: skip
     return out

@@ -250,15 +250,52 @@ def serving_pools(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, select
     return pools.masked_fill_(~torch.gather(ok, 1, order), -1)
 
 
-def select_pools(scores, visible, k: int, col0, ends=None, ordered: bool = True, order: str = "") -> torch.Tensor:
-    """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` int64 pool ids, ``-1``.
+def _triton_select(k: int):
+    """:func:`sp_kpool.kernels.triton_select.topk_ascending` if Triton imports and ``k`` fits."""
+    from ._probe import probe
 
-    ``visible``: ``[R, N]`` bool, or ``None`` when ``scores`` already holds ``-inf`` at
-    invisible cells; ``ends``: ``[R]`` end of each row's visible columns (optional).
-    On CUDA: LMDeploy's radix selector with an exactness check when available
-    (:func:`topk_pools_radix`), else the FP32 candidate path (:func:`topk_pools_fast`);
-    on CPU the int64-key path. All return the same ids by construction. ``ordered=False``
-    lets the radix path skip ranking the set (valid ids still come first).
+    if probe("triton")[0] is None:
+        return None
+    from .kernels.triton_select import MAX_K, topk_ascending
+
+    return topk_ascending if k <= MAX_K else None
+
+
+def _ascending(pools: torch.Tensor) -> torch.Tensor:
+    """``pools`` (``-1`` unused) sorted ascending, the ``-1`` last."""
+    big = torch.iinfo(pools.dtype).max
+    p = torch.sort(pools.masked_fill(pools < 0, big), dim=-1).values
+    return p.masked_fill_(p == big, -1)
+
+
+def _rank_by_score(scores: torch.Tensor, pools: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The selected ``pools`` (global ids, ``-1`` unused) of each row in score order."""
+    valid = pools >= 0
+    idx = torch.where(valid, pools.long() - base, 0)
+    vals = scores.gather(1, idx) + 0.0
+    bits = vals.view(torch.int32).to(torch.int64)
+    keys = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | (0xFFFFFFFF - idx)
+    top = torch.sort(keys.masked_fill_(~valid, _INVALID_KEY), dim=-1, descending=True).values
+    out = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + base
+    return out.masked_fill_(top == _INVALID_KEY, -1)
+
+
+def select_pools(
+    scores, visible, k: int, col0, ends=None, ordered: bool = True, order: str = "", starts=None
+) -> torch.Tensor:
+    """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` global pool ids, ``-1``.
+
+    ``scores``: ``[R, N]`` float32 for pools ``col0 + column`` (``col0`` an int or ``[R, 1]``
+    int64); ``visible``: ``[R, N]`` bool, or ``None`` when ``scores`` already holds ``-inf``
+    at invisible cells; ``starts``/``ends``: ``[R]`` the columns that may be visible
+    (optional; cells outside are ignored).
+
+    Order of each row: ``order="ascending"``: ascending pool id; ``"serving"``: the serving
+    selector's; otherwise score order, unless ``ordered=False`` (then any order; valid ids
+    first). On CUDA the Triton selector of :mod:`sp_kpool.kernels.triton_select` (exact by
+    construction, no host synchronisation), else LMDeploy's radix selector with an
+    exactness check, else the FP32 candidate path; on CPU the int64-key path. All return
+    the same sets.
     """
     if order == "serving":
         selector = _radix_selector(k) if scores.device.type == "cuda" else None
@@ -267,16 +304,28 @@ def select_pools(scores, visible, k: int, col0, ends=None, ordered: bool = True,
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))
         return serving_pools(scores, ends, k, col0, selector)
+    R, n = scores.shape
     if scores.device.type == "cuda":
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))
+        fast = _triton_select(k)
+        if fast is not None:
+            dev = scores.device
+            base = col0.reshape(R) if isinstance(col0, torch.Tensor) else torch.full((R,), int(col0), device=dev)
+            lo = starts if starts is not None else torch.zeros(R, dtype=torch.int32, device=dev)
+            hi = ends if ends is not None else torch.full((R,), n, dtype=torch.int32, device=dev)
+            pools = fast(scores, lo, hi, base.to(torch.int64), k)[:, : min(k, n)]
+            return _rank_by_score(scores, pools, base.reshape(R, 1)) if order != "ascending" and ordered else pools
         selector = _radix_selector(k) if ends is not None else None
         if selector is not None:
-            return topk_pools_radix(scores, ends, k, col0, selector, ordered)[0]
-        return topk_pools_fast(scores, k, col0)[0]
-    if visible is None:
-        visible = scores > -float("inf")
-    return topk_pools(scores, visible, k, col0)[0]
+            pools = topk_pools_radix(scores, ends, k, col0, selector, ordered and order != "ascending")[0]
+        else:
+            pools = topk_pools_fast(scores, k, col0)[0]
+    else:
+        if visible is None:
+            visible = scores > -float("inf")
+        pools = topk_pools(scores, visible, k, col0)[0]
+    return _ascending(pools) if order == "ascending" else pools
 
 
 def assemble(
@@ -289,6 +338,7 @@ def assemble(
     tail: str,
     order: str,
     alignment: int,
+    presorted: bool = False,
 ) -> torch.Tensor:
     """Expand selected pools to token ids, add the tail, lay out the columns.
 
@@ -298,6 +348,8 @@ def assemble(
             no pools; its tail is empty, so its output is all ``-1``).
         pool_tok_start: ``[P]`` int64, first token of each pool (same device as ``pools``).
         topk, kpool, tail, order, alignment: see :func:`sp_kpool.kpool_topk`.
+        presorted: ``pools`` are already in ascending order (as :func:`select_pools`
+            returns them for ``order="ascending"``); skips the sort.
 
     Returns:
         ``[R, align(topk + kpool - 1, alignment)]`` int32 global token ids, ``-1`` padded.
@@ -310,9 +362,17 @@ def assemble(
     big = torch.iinfo(torch.int32).max
     p32 = pools.to(torch.int32)
     valid = p32 >= 0
-    if order == "ascending":
+    if order == "ascending" and not presorted:
         p32 = torch.sort(p32.masked_fill(~valid, big), dim=-1).values
         valid = p32 != big
+        p32 = p32.masked_fill_(~valid, -1)
+    if device.type == "cuda" and _triton_select(1) is not None:
+        from .kernels.triton_select import expand_pools
+
+        out = torch.full((rows, width), -1, dtype=torch.int32, device=device)
+        return expand_pools(
+            p32, pool_tok_start, meta.rows, meta.tail_len, out, topk=topk, kpool=kpool, tail=tail
+        )  # fmt: skip
     num_pools = pool_tok_start.numel()
     ext = torch.cat([pool_tok_start.to(torch.int32), pool_tok_start.new_full((1,), -kpool, dtype=torch.int32)])
     first = ext.index_select(0, torch.where(valid, p32, num_pools).flatten()).view(rows, k_sel, 1)

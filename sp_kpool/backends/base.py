@@ -217,17 +217,17 @@ def select_rows(
 
     ``q [hi_row - lo_row, H, D]`` and ``w [hi_row - lo_row, H]`` are those rows' queries and
     raw head weights, ``tables`` is ``pool_table(real_cu_seq_lens, kpool)``. Returns
-    ``[hi_row - lo_row, topk // kpool]`` int64 global pool ids, ``-1`` unused: in score order
-    for ``order="score"``, in the serving selector's order for ``"serving"``, in no fixed
-    order for ``"ascending"`` (:func:`~sp_kpool.selection.assemble` sorts them). Any rank
-    computing a row gets the same set (global chunk grid, see the module docstring).
+    ``[hi_row - lo_row, topk // kpool]`` int32 global pool ids, valid ones first, ``-1``
+    after: in score order for ``order="score"``, in the serving selector's order for
+    ``"serving"``, ascending for ``"ascending"``. Any rank computing a row gets the same set
+    (global chunk grid, see the module docstring).
     """
     seq, kpool, device = problem.seq, problem.kpool, problem.device
     real_cu = seq.real_cu_seq_lens
     pool_tok_start, doc_pool_offset = tables
     num_pools = pool_tok_start.numel()
     k_sel = problem.topk // kpool
-    out = torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int64, device=device)
+    out = torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)
     if hi_row <= lo_row or num_pools == 0:
         return out
     C = backend.chunk_rows(problem, num_pools)
@@ -258,10 +258,11 @@ def select_rows(
         with stage(problem, "score"):
             scores = backend.score(problem, pooled, qc, wc, lo, hi, r_start.to(torch.int32), r_end.to(torch.int32))
         col0: Any = lo
-        row_ends = r_end[a - g0 : b - g0]
+        row_starts, row_ends = r_start[a - g0 : b - g0], r_end[a - g0 : b - g0]
         if isinstance(scores, tuple):  # request-local columns: column c of row r is pool lo + offset[r] + c
             scores, offset = scores
             col0 = lo + offset[a - g0 : b - g0, None]
+            row_starts = row_starts - offset[a - g0 : b - g0]
             row_ends = row_ends - offset[a - g0 : b - g0]
         scores = scores[a - g0 : b - g0]
         visible = None
@@ -269,9 +270,7 @@ def select_rows(
             cols = torch.arange(hi - lo, device=device)
             visible = (cols[None] >= r_start[a - g0 : b - g0, None]) & (cols[None] < r_end[a - g0 : b - g0, None])
         with stage(problem, "select"):
-            pools = select_pools(
-                scores, visible, k_sel, col0, row_ends, ordered=problem.order != "ascending", order=problem.order
-            )
+            pools = select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts)
         out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
     return out
 
@@ -304,5 +303,6 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
             tail=problem.tail,
             order=problem.order,
             alignment=problem.alignment,
+            presorted=True,
         )
     return out

@@ -3,8 +3,8 @@
 Pools on the GPU (``bf16``: the model arithmetic in torch ops; ``bf16-serving``: the
 Triton decode-compression kernel, bitwise equal to the torch one, or the torch one when
 Triton is missing), scores with the TileLang kernel of :mod:`sp_kpool.kernels.tilelang_score`
-(``-inf`` outside each row's causal range), selection with the FP32 candidate Top-K of
-:mod:`sp_kpool.selection` (the same ids as the exact rule, no per-row host sync).
+(``-inf`` outside each row's causal range), selection by
+:func:`sp_kpool.selection.select_pools` (on CUDA the exact Triton selector, no host sync).
 """
 
 from __future__ import annotations

@@ -1,0 +1,129 @@
+"""Single-GPU benchmark and check of the Triton Top-K selector (``topk_ascending``).
+
+    python scripts/bench_select.py [--rows 16384] [--pools 32768] [--k 512] [--out DIR]
+
+Logits like one scoring chunk of the reference workload (SPEC 9): ``--rows`` query rows of
+the rank-3 slice of a 4-rank split, row ``r`` visible on ``[0, end_r)`` with ``end_r`` from
+``3/4 * pools`` to ``pools`` (``-inf`` elsewhere), FP32 scores from a ReLU-weighted random
+model. Times, on the same logits: ``topk_ascending`` for several launch configurations (and its
+phases alone for one),
+LMDeploy's ``sparse_index_topk`` and ``torch.topk`` (value only, no exact ties rule); checks
+every configuration against the exact int64-key Top-K (``selection.topk_pools``), also on
+inputs with heavy exact ties. Writes ``bench_select.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from sp_kpool.kernels.triton_select import topk_ascending  # noqa: E402
+from sp_kpool.selection import _ascending, topk_pools  # noqa: E402
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def bench(fn, reps=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def make_logits(rows, pools, levels, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ends = torch.linspace(pools * 3 // 4, pools, rows, device="cuda").round().int()
+    if levels:
+        s = torch.randint(-levels, levels, (rows, pools), generator=g, device="cuda").float()
+    else:  # sum_h w_h ReLU(x_h), 8 heads: smooth, positive-skewed, few exact ties
+        s = torch.zeros(rows, pools, device="cuda")
+        for _ in range(8):
+            s += torch.randn(rows, 1, generator=g, device="cuda") * torch.randn(rows, pools, generator=g, device="cuda").relu_()
+    cols = torch.arange(pools, device="cuda")
+    return s.masked_fill_(cols[None] >= ends[:, None], -float("inf")), ends
+
+
+def exact(s, ends, k, base):
+    out = []
+    for i in range(0, s.shape[0], 2048):  # bounded int64 scratch
+        blk = s[i : i + 2048]
+        p, _ = topk_pools(blk, blk > -float("inf"), k, base)
+        out.append(_ascending(p).int())
+    return torch.cat(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=16384)
+    ap.add_argument("--pools", type=int, default=32768)
+    ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--configs", default="4096:8:4,8192:16:2,8192:8:4,16384:16:2,4096:4:8,2048:4:8")
+    ap.add_argument("--phase-config", default="8192:16:2", help="config whose phases 1-3 are timed alone")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "args": vars(args), "runs": []}  # fmt: skip
+    import triton
+
+    res["triton"] = triton.__version__
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = 1000
+    for levels in (0, 7, 1000):
+        s, ends = make_logits(args.rows, args.pools, levels, seed=levels)
+        starts = torch.zeros_like(ends)
+        bvec = torch.full((args.rows,), base, dtype=torch.int64, device="cuda")
+        ref = exact(s, ends, args.k, base)
+        row = {"levels": levels, "gib": s.numel() * 4 / 2**30, "configs": {}}
+        for cfg in args.configs.split(","):
+            tile, warps, per_sm = (int(x) for x in cfg.split(":"))
+            f = lambda: topk_ascending(s, starts, ends, bvec, args.k, tile=tile, num_warps=warps, programs=per_sm * sms)  # noqa: E731
+            got = f()
+            ok = torch.equal(got, ref)
+            ms = bench(f)
+            row["configs"][cfg] = {"ms": ms, "equal_exact": ok, "gb_per_s": s.numel() * 4 / ms / 1e6}
+            log(f"levels={levels} cfg={cfg} {ms:.3f} ms equal={ok}")
+        if levels == 0 and args.phase_config:
+            tile, warps, per_sm = (int(x) for x in args.phase_config.split(":"))
+            for ph in (1, 2, 3):
+                ms = bench(lambda: topk_ascending(s, starts, ends, bvec, args.k, tile=tile, num_warps=warps,
+                                                  programs=per_sm * sms, phases=ph))  # fmt: skip
+                row[f"phases_1_to_{ph}_ms"] = ms
+                log(f"phases 1..{ph} ({args.phase_config}): {ms:.3f} ms")
+        if levels == 0:
+            row["torch_topk_ms"] = bench(lambda: torch.topk(s, args.k, dim=-1))
+            try:
+                from lmdeploy.pytorch.kernels.cuda.sparse_index_topk import sparse_index_topk
+
+                ones = torch.ones(args.rows, dtype=torch.int32, device="cuda")
+                row["lmdeploy_topk_ms"] = bench(lambda: sparse_index_topk(s, ones, ends, args.k))
+            except Exception as exc:  # noqa: BLE001
+                row["lmdeploy_topk"] = f"unavailable: {type(exc).__name__}: {exc}"
+        res["runs"].append(row)
+        log(json.dumps(row))
+        del s, ref
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_select.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The Triton selector and expansion kernels, run by Triton's CPU interpreter, against the
+exact int64-key Top-K and the torch ``assemble`` (bit for bit)."""
+
+import os
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton in this process
+pytest.importorskip("triton")
+
+from sp_kpool.selection import RowMeta, _ascending, assemble, topk_pools  # noqa: E402
+from sp_kpool.testing.triton_interp import interpreted_module  # noqa: E402
+
+ts = interpreted_module("sp_kpool.kernels.triton_select")
+
+
+def exact_ascending(scores, starts, ends, base, k):
+    cols = torch.arange(scores.shape[1])
+    vis = (cols[None] >= starts[:, None]) & (cols[None] < ends[:, None]) & (scores > -float("inf"))
+    p, ok = topk_pools(scores, vis, k, 0)
+    p = _ascending(torch.where(ok, p + base[:, None], -1))
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.int64)
+    out[:, : p.shape[1]] = p
+    return out.int()
+
+
+def run(scores, starts, ends, k, **kw):
+    base = torch.arange(scores.shape[0], dtype=torch.int64) * 1000 + 7
+    got = ts.topk_ascending(scores, starts, ends, base, k, **kw)
+    assert got.dtype == torch.int32 and got.shape == (scores.shape[0], k)
+    assert torch.equal(got, exact_ascending(scores, starts, ends, base, k))
+
+
+def test_random_rows_and_ranges():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(6, 3000, generator=g)
+    starts = torch.tensor([0, 5, 100, 0, 2990, 3])
+    ends = torch.tensor([3000, 2000, 100, 40, 3000, 2999])
+    run(s, starts, ends, 64, tile=512)  # includes an empty row and rows with < k cells
+
+
+def test_many_tiles_and_wider_groups():
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(3, 20000, generator=g)
+    run(s, torch.tensor([0, 17, 0]), torch.tensor([20000, 15000, 513]), 512, tile=1024)
+
+
+def test_exact_ties_negative_zero_and_inf():
+    g = torch.Generator().manual_seed(2)
+    s = torch.randint(-3, 4, (5, 3000), generator=g).float()
+    s[1] = 0.0
+    s[2, ::2] = -0.0  # ties with +0.0
+    s[3, ::3] = -float("inf")  # invisible
+    s[4, 100:2500] = 3.0
+    starts, ends = torch.tensor([0, 5, 0, 0, 1]), torch.tensor([3000, 2000, 3000, 2999, 3000])
+    run(s, starts, ends, 64, tile=512)  # equal group maxima beyond capg: the slow exact path
+    run(s, starts, ends, 300, tile=1024, capg=512)
+
+
+def test_tiny_rows_and_k_one():
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(2, 40, generator=g)
+    run(s, torch.tensor([0, 3]), torch.tensor([40, 39]), 16, tile=16)
+    run(s, torch.tensor([0, 3]), torch.tensor([40, 39]), 1, tile=16)
+
+
+def test_bad_arguments():
+    s = torch.zeros(2, 8)
+    base = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="k: expected"):
+        ts.topk_ascending(s, base, base + 8, base, 0)
+    with pytest.raises(ValueError, match="scores: expected"):
+        ts.topk_ascending(s.double(), base, base + 8, base, 2)
+
+
+@pytest.mark.parametrize("kpool,tail,alignment", [(4, "fixed", 1), (4, "compact", 64), (3, "compact", 1), (1, "fixed", 8)])
+def test_expand_equals_torch_assemble(kpool, tail, alignment):
+    g = torch.Generator().manual_seed(kpool)
+    R, k, P = 7, 6, 50
+    pools = torch.randint(0, P, (R, k), generator=g)
+    nvalid = torch.tensor([6, 0, 3, 6, 1, 5, 2])
+    pools = torch.where(torch.arange(k)[None] < nvalid[:, None], pools, -1)
+    pts = torch.arange(P, dtype=torch.int64) * kpool + 11
+    rows = torch.arange(R, dtype=torch.int64) * 31 + 500
+    tail_len = torch.arange(R, dtype=torch.int64) % kpool
+    meta = RowMeta(rows=rows, pool_lo=rows * 0, n_visible=rows * 0, tail_len=tail_len, padding=rows < 0)
+    topk = k * kpool + 1  # a token budget that is not a multiple of kpool
+    want = assemble(pools, meta, pts, topk=topk, kpool=kpool, tail=tail, order="score", alignment=alignment)
+    out = torch.full_like(want, -1)
+    got = ts.expand_pools(pools.int(), pts, rows, tail_len, out, topk=topk, kpool=kpool, tail=tail)
+    assert torch.equal(got, want)
