@@ -300,6 +300,20 @@ def section_selectors(quick):
             got2 = topk_ascending(masked, st, en, base, k, tile=1024, num_warps=4)[:, : ref.shape[1]]
             record("selectors", f"triton topk_ascending == exact levels={levels} k={k}",
                    torch.equal(got, ref) and torch.equal(got2, ref))  # fmt: skip
+    # rows wider than 65536 columns: groups of 16 columns
+    from sp_kpool.kernels.triton_select import topk_ascending
+
+    for levels in (3, 10**7):
+        g = torch.Generator(device="cuda").manual_seed(levels)
+        R, N = 256, 70000
+        scores = torch.randint(-levels, levels, (R, N), generator=g, device="cuda").float()
+        st = torch.randint(0, 1000, (R,), generator=g, device="cuda")
+        en = torch.full((R,), N, device="cuda") - torch.randint(0, 1000, (R,), generator=g, device="cuda")
+        cols = torch.arange(N, device="cuda")
+        vis = (cols >= st[:, None]) & (cols < en[:, None])
+        ref = _ascending(topk_pools(scores, vis, 512, 0)[0]).int()
+        got = topk_ascending(scores, st, en, torch.zeros(R, dtype=torch.int64, device="cuda"), 512)
+        record("selectors", f"triton topk_ascending == exact, {N} columns, levels={levels}", torch.equal(got, ref))
 
 
 def section_ranks(quick):

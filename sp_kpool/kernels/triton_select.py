@@ -39,8 +39,9 @@ import triton.language as tl
 
 __all__ = ["topk_ascending", "expand_pools", "MAX_K"]
 
-#: Largest ``k`` handled by :func:`topk_ascending` (the candidate buffer is ``2k`` wide).
-MAX_K = 4096
+#: Largest ``k`` handled by :func:`topk_ascending` (checked on an H200 up to 2048; larger ``k``
+#: selects with the other CUDA paths of :func:`sp_kpool.selection.select_pools`).
+MAX_K = 2048
 _MAX_GROUPS = 8192
 
 

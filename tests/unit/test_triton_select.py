@@ -90,3 +90,11 @@ def test_expand_equals_torch_assemble(kpool, tail, alignment):
     out = torch.full_like(want, -1)
     got = ts.expand_pools(pools.int(), pts, rows, tail_len, out, topk=topk, kpool=kpool, tail=tail)
     assert torch.equal(got, want)
+
+
+def test_wide_rows_use_wider_groups():
+    # more than 8192 groups of 8 columns: groups of 16 (and the slow path with few values)
+    g = torch.Generator().manual_seed(4)
+    s = torch.randn(2, 70000, generator=g)
+    s[1] = torch.randint(0, 3, (70000,), generator=g).float()
+    run(s, torch.tensor([0, 5]), torch.tensor([70000, 69001]), 16, tile=4096)
