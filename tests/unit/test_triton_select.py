@@ -98,3 +98,10 @@ def test_wide_rows_use_wider_groups():
     s = torch.randn(2, 70000, generator=g)
     s[1] = torch.randint(0, 3, (70000,), generator=g).float()
     run(s, torch.tensor([0, 5]), torch.tensor([70000, 69001]), 16, tile=4096)
+
+
+def test_unaligned_start_and_full_width():
+    # groups start at multiples of 8 before the first column: the last group still fits
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(3, 4096, generator=g)
+    run(s, torch.tensor([5, 7, 4095]), torch.tensor([4096, 4096, 4096]), 256, tile=1024)
