@@ -27,25 +27,14 @@ import torch  # noqa: E402
 from sp_kpool.kernels.triton_select import topk_ascending  # noqa: E402
 from sp_kpool.selection import _ascending, topk_pools  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import bench as _bench  # noqa: E402
+from bench_kernels import log  # noqa: E402
 
-def log(msg):
-    print(msg, flush=True)
 
-
-def bench(fn, reps=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+def bench(fn):
+    """Median milliseconds of ``fn()`` over 10 runs after 2 warm-up runs (CUDA events)."""
+    return _bench(fn, reps=10, warmup=2)
 
 
 def make_logits(rows, pools, levels, seed):

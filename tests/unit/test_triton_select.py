@@ -105,3 +105,20 @@ def test_unaligned_start_and_full_width():
     g = torch.Generator().manual_seed(5)
     s = torch.randn(3, 4096, generator=g)
     run(s, torch.tensor([5, 7, 4095]), torch.tensor([4096, 4096, 4096]), 256, tile=1024)
+
+
+def test_rank_by_score_gives_score_order():
+    # order="score" on CUDA ranks the selector's ascending set with _rank_by_score
+    from sp_kpool.selection import _rank_by_score
+
+    g = torch.Generator().manual_seed(6)
+    s = torch.randint(-4, 5, (5, 300), generator=g).float()  # many exact ties
+    starts, ends = torch.tensor([0, 3, 0, 10, 299]), torch.tensor([300, 200, 40, 300, 300])
+    base = torch.tensor([7, 1000, 0, 5, 9], dtype=torch.int64)
+    k = 50
+    asc = ts.topk_ascending(s, starts, ends, base, k)
+    cols = torch.arange(300)
+    vis = (cols[None] >= starts[:, None]) & (cols[None] < ends[:, None])
+    want, ok = topk_pools(s, vis, k, 0)
+    want = torch.where(ok, want + base[:, None], -1)
+    assert torch.equal(_rank_by_score(s, asc, base[:, None]), want)
