@@ -98,7 +98,8 @@ def score_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     mapped to a monotone int32 (``-0.0`` is first folded into ``+0.0`` so they tie), shifted
     into the high word, and the low word holds ``0xFFFFFFFF - column``. Every key in a row is
     distinct, so any Top-K over them (``torch.topk`` on CPU or CUDA) is deterministic.
-    Invisible entries get the minimum int64.
+    Invisible entries and NaN scores get the minimum int64 (NaN is never selected, on any
+    path).
     """
     n = scores.shape[-1]
     if n >= 2**32:
@@ -108,7 +109,7 @@ def score_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float value
     col = torch.arange(n, device=scores.device, dtype=torch.int64)
     keys = (ordered << 32) | (0xFFFFFFFF - col)
-    return keys.masked_fill_(~visible, _INVALID_KEY)
+    return keys.masked_fill_(~visible | torch.isnan(s), _INVALID_KEY)
 
 
 def topk_pools(
@@ -250,15 +251,16 @@ def serving_pools(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, select
     return pools.masked_fill_(~torch.gather(ok, 1, order), -1)
 
 
-def _triton_select(k: int):
-    """:func:`sp_kpool.kernels.triton_select.topk_ascending` if Triton imports and ``k`` fits."""
+def _triton_select(k: int, width: int = 1):
+    """:func:`sp_kpool.kernels.triton_select.topk_ascending` if Triton imports and ``k`` and
+    the row ``width`` are within its limits (:func:`sp_kpool.kernels.triton_select.supports`)."""
     from ._probe import probe
 
     if probe("triton")[0] is None:
         return None
-    from .kernels.triton_select import MAX_K, topk_ascending
+    from .kernels.triton_select import supports, topk_ascending
 
-    return topk_ascending if k <= MAX_K else None
+    return topk_ascending if supports(width, k) else None
 
 
 def _ascending(pools: torch.Tensor) -> torch.Tensor:
@@ -308,7 +310,7 @@ def select_pools(
     if scores.device.type == "cuda":
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))
-        fast = _triton_select(k)
+        fast = _triton_select(k, n)
         if fast is not None:
             dev = scores.device
             base = col0.reshape(R) if isinstance(col0, torch.Tensor) else torch.full((R,), int(col0), device=dev)
@@ -316,6 +318,7 @@ def select_pools(
             hi = ends if ends is not None else torch.full((R,), n, dtype=torch.int32, device=dev)
             pools = fast(scores, lo, hi, base.to(torch.int64), k)[:, : min(k, n)]
             return _rank_by_score(scores, pools, base.reshape(R, 1)) if order != "ascending" and ordered else pools
+        scores = torch.where(torch.isnan(scores), -float("inf"), scores)  # NaN: never selected
         selector = _radix_selector(k) if ends is not None else None
         if selector is not None:
             pools = topk_pools_radix(scores, ends, k, col0, selector, ordered and order != "ascending")[0]

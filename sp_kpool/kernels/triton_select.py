@@ -9,9 +9,9 @@ Per row (a persistent grid: program ``p`` takes rows ``p, p + P, ...`` and reuse
 scratch area in global memory, which stays in L2):
 
 1. Keys: the FP32 bits mapped to a monotone int32; cells outside ``[start, end)`` or at
-   ``-inf`` get ``INT32_MIN`` (invisible). One pass over the row stores the maxima of
-   groups of ``G`` adjacent columns (``G`` = 8 up to 65536 columns) and counts the visible
-   cells.
+   ``-inf`` or NaN get ``INT32_MIN`` (invisible). One pass over the row stores the maxima
+   of groups of ``G`` aligned adjacent columns (``G`` = 8 up to 65528 columns, then 16, 32,
+   ...) and counts the visible cells.
 2. ``L``: a value with at least ``k`` and at most ``capg`` group maxima ``>= L`` (bisection
    over the maxima in registers, stopped early). At least ``k`` keys are ``>= L``, so the
    ``k``-th best key ``T`` is ``>= L``, and every cell of the answer lies in a group with
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["topk_ascending", "expand_pools", "MAX_K"]
+__all__ = ["topk_ascending", "expand_pools", "supports", "MAX_K"]
 
 #: Largest ``k`` handled by :func:`topk_ascending` (checked on an H200 up to 2048; larger ``k``
 #: selects with the other CUDA paths of :func:`sp_kpool.selection.select_pools`).
@@ -45,8 +45,33 @@ MAX_K = 2048
 _MAX_GROUPS = 8192
 
 
+#: Largest block of candidate cells (candidate groups x columns per group): the largest run
+#: on an H200 (k 2048, groups of 8). Larger blocks spill registers (Triton caps any block at
+#: 2**20 elements); such shapes select with the other paths of ``select_pools``.
+_MAX_BLOCK = 32768
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _sizes(W: int, k: int, tile: int, capg: int | None):
+    """``(tile, group, ng, capg)`` of a launch for rows of width ``W``."""
+    tile = min(tile, _pow2(max(W + 8, 16)))
+    span = -(-(max(W, 1) + 8) // tile) * tile  # columns a row's tiles may cover
+    group = max(8, min(tile // 8, _pow2(-(-span // _MAX_GROUPS))))
+    ng = max(_pow2(span // group), group)
+    return tile, group, ng, _pow2(capg or 2 * k)
+
+
+def supports(width: int, k: int) -> bool:
+    """Whether :func:`topk_ascending` handles rows of ``width`` columns and this ``k`` (at
+    the default launch): ``1 <= k <= MAX_K`` and ``2k`` candidate groups of ``G`` columns
+    within a block of 32768 cells (``k`` 512: up to 262136 columns; ``k`` 2048: up to 65528)."""
+    if not 1 <= k <= MAX_K:
+        return False
+    _, group, _, capg = _sizes(width, k, 8192, None)
+    return capg * group <= _MAX_BLOCK
 
 
 @triton.jit
@@ -273,13 +298,14 @@ def topk_ascending(
     out = torch.empty((R, k), dtype=torch.int32, device=dev)
     if R == 0:
         return out
-    tile = min(tile, _pow2(max(W + 8, 16)))
-    span = -(-(max(W, 1) + 8) // tile) * tile  # columns a row's tiles may cover (groups start <= 7 early)
-    group = max(8, min(tile // 8, _pow2(-(-span // _MAX_GROUPS))))
-    ng = max(_pow2(span // group), group)
-    capg = _pow2(capg or 2 * k)
+    tile, group, ng, capg = _sizes(W, k, tile, capg)
     if capg < k:
         raise ValueError(f"capg: expected at least k = {k}, got {capg}")
+    if capg * group > _MAX_BLOCK:
+        raise ValueError(
+            f"scores: rows of {W} columns with k = {k} need {capg} x {group} candidate cells, "
+            f"more than {_MAX_BLOCK} (see supports())"
+        )
     progs = programs or _programs(dev, R)
     gmax = torch.empty((progs, ng), dtype=torch.int32, device=dev)
     cand = torch.empty((progs, capg), dtype=torch.int32, device=dev)

@@ -1,13 +1,19 @@
 """The Triton selector and expansion kernels, run by Triton's CPU interpreter, against the
-exact int64-key Top-K and the torch ``assemble`` (bit for bit)."""
+exact int64-key Top-K and the torch ``assemble`` (bit for bit).
+
+Not collected directly (the name does not start with ``test_``):
+``test_triton_interpreter.py`` runs this file in a child pytest with ``TRITON_INTERPRET=1``,
+so that the variable (read when Triton is imported) never reaches other tests or the
+processes they launch.
+"""
 
 import os
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton in this process
-pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("run this file with TRITON_INTERPRET=1 (tests/unit/test_triton_interpreter.py does)")
 
 from sp_kpool.selection import RowMeta, _ascending, assemble, topk_pools  # noqa: E402
 from sp_kpool.testing.triton_interp import interpreted_module  # noqa: E402
@@ -17,7 +23,8 @@ ts = interpreted_module("sp_kpool.kernels.triton_select")
 
 def exact_ascending(scores, starts, ends, base, k):
     cols = torch.arange(scores.shape[1])
-    vis = (cols[None] >= starts[:, None]) & (cols[None] < ends[:, None]) & (scores > -float("inf"))
+    # -inf cells are invisible; NaN cells stay "visible" here: topk_pools must drop them
+    vis = (cols[None] >= starts[:, None]) & (cols[None] < ends[:, None]) & (scores != -float("inf"))
     p, ok = topk_pools(scores, vis, k, 0)
     p = _ascending(torch.where(ok, p + base[:, None], -1))
     out = torch.full((scores.shape[0], k), -1, dtype=torch.int64)
@@ -72,6 +79,20 @@ def test_bad_arguments():
         ts.topk_ascending(s, base, base + 8, base, 0)
     with pytest.raises(ValueError, match="scores: expected"):
         ts.topk_ascending(s.double(), base, base + 8, base, 2)
+    wide = torch.zeros(1, 70000)
+    one = torch.zeros(1, dtype=torch.int64)
+    assert not ts.supports(70000, 2048)
+    with pytest.raises(ValueError, match="candidate cells"):
+        ts.topk_ascending(wide, one, one + 70000, one, 2048)
+
+
+def test_nan_is_never_selected():
+    g = torch.Generator().manual_seed(7)
+    s = torch.randn(3, 500, generator=g)
+    s[0, ::7] = float("nan")
+    s[1, :] = float("nan")
+    s[2, 3] = -float("nan")
+    run(s, torch.tensor([0, 0, 0]), torch.tensor([500, 500, 500]), 64, tile=128)
 
 
 @pytest.mark.parametrize("kpool,tail,alignment", [(4, "fixed", 1), (4, "compact", 64), (3, "compact", 1), (1, "fixed", 8)])
