@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from ._env import env_int
+
 __all__ = [
     "CaptureError",
     "CaptureHook",
@@ -246,14 +248,8 @@ def hook_for(directory: str | os.PathLike | None) -> CaptureHook | None:
         directory = os.environ.get(ENV_DIR, "").strip() or None
         if directory is None:
             return None
-    raw = os.environ.get(ENV_CALLS, "").strip() or "1"
-    try:
-        calls = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_CALLS}: expected a non-negative integer, got {raw!r}") from None
-    if calls < 0:
-        raise ValueError(f"{ENV_CALLS}: expected a non-negative integer, got {calls}")
-    return CaptureHook(directory, calls)
+    calls = env_int(ENV_CALLS, minimum=0, expected="a non-negative integer")
+    return CaptureHook(directory, 1 if calls is None else calls)
 
 
 def enable(module, directory: str | os.PathLike | None, calls: int = 1, tag: str | None = None) -> CaptureHook | None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._probe import probe
+
 __all__ = [
     "RowMeta",
     "row_meta",
@@ -91,6 +93,18 @@ def output_width(topk: int, kpool: int, alignment: int) -> int:
     return -(-w // alignment) * alignment
 
 
+def _pack_keys(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """int64 ``(value, -column)`` keys: the FP32 bits of ``value + 0.0`` (``-0.0`` folds into
+    ``+0.0``) mapped to a monotone int32 in the high word, ``0xFFFFFFFF - column`` in the low."""
+    bits = (values.float() + 0.0).view(torch.int32).to(torch.int64)
+    return (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | (0xFFFFFFFF - cols)
+
+
+def _unpack_ids(keys: torch.Tensor, col0) -> torch.Tensor:
+    """Global ids ``col0 + column`` of keys made by :func:`_pack_keys`."""
+    return (0xFFFFFFFF - (keys & 0xFFFFFFFF)) + col0
+
+
 def score_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Totally ordered int64 keys: higher score first, ties toward the lower column.
 
@@ -104,12 +118,8 @@ def score_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     n = scores.shape[-1]
     if n >= 2**32:
         raise ValueError(f"scores: at most 2**32 columns supported, got {n}")
-    s = scores.float() + 0.0  # -0.0 + 0.0 == +0.0
-    bits = s.view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float value
-    col = torch.arange(n, device=scores.device, dtype=torch.int64)
-    keys = (ordered << 32) | (0xFFFFFFFF - col)
-    return keys.masked_fill_(~visible | torch.isnan(s), _INVALID_KEY)
+    keys = _pack_keys(scores, torch.arange(n, device=scores.device, dtype=torch.int64))
+    return keys.masked_fill_(~visible | torch.isnan(scores), _INVALID_KEY)
 
 
 def topk_pools(
@@ -132,8 +142,7 @@ def topk_pools(
     keys = score_keys(scores, visible)
     top = torch.topk(keys, kk, dim=-1, sorted=True).values
     valid = top != _INVALID_KEY
-    pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
-    return pools.masked_fill_(~valid, -1), valid
+    return _unpack_ids(top, col0).masked_fill_(~valid, -1), valid
 
 
 #: Extra candidates taken by :func:`topk_pools_fast` beyond ``k`` to settle boundary ties.
@@ -162,15 +171,10 @@ def topk_pools_fast(scores: torch.Tensor, k: int, col0: int, extra: int = FAST_E
     if bool(ambiguous.any()):
         return topk_pools(scores, scores > -float("inf"), k, col0)
     # rank candidates exactly: keys of (value, column) on the [R, kc] candidate block
-    s = vals + 0.0
-    bits = s.view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    keys = (ordered << 32) | (0xFFFFFFFF - idx)
-    keys = keys.masked_fill_(~(vals > -float("inf")), _INVALID_KEY)
+    keys = _pack_keys(vals, idx).masked_fill_(~(vals > -float("inf")), _INVALID_KEY)
     top = torch.topk(keys, kk, dim=-1, sorted=True).values
     valid = top != _INVALID_KEY
-    pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
-    return pools.masked_fill_(~valid, -1), valid
+    return _unpack_ids(top, col0).masked_fill_(~valid, -1), valid
 
 
 def topk_pools_radix(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, selector, ordered: bool = True):
@@ -201,13 +205,10 @@ def topk_pools_radix(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, sel
     eq_all = (scores == thr).sum(1)
     eq_sel = (valid & (vals == thr)).sum(1)
     if ordered:
-        s = vals + 0.0
-        bits = s.view(torch.int32).to(torch.int64)
-        keys = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | (0xFFFFFFFF - idx.clamp(min=0))
-        keys = keys.masked_fill_(~valid, _INVALID_KEY)
+        keys = _pack_keys(vals, idx.clamp(min=0)).masked_fill_(~valid, _INVALID_KEY)
         top = torch.sort(keys, dim=-1, descending=True).values
         ok = top != _INVALID_KEY
-        pools = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + col0
+        pools = _unpack_ids(top, col0)
     else:  # the set in the selector's order; -1 may sit anywhere
         ok = valid
         pools = idx + col0
@@ -224,8 +225,6 @@ def _radix_selector(k: int):
     """LMDeploy's ``sparse_index_topk`` if importable and ``k`` is one of its sizes."""
     if k not in (512, 2048):
         return None
-    from ._probe import probe
-
     mod, _ = probe("lmdeploy.pytorch.kernels.cuda.sparse_index_topk")
     return getattr(mod, "sparse_index_topk", None) if mod is not None else None
 
@@ -251,11 +250,9 @@ def serving_pools(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, select
     return pools.masked_fill_(~torch.gather(ok, 1, order), -1)
 
 
-def _triton_select(k: int, width: int = 1):
+def _triton_select(k: int, width: int):
     """:func:`sp_kpool.kernels.triton_select.topk_ascending` if Triton imports and ``k`` and
     the row ``width`` are within its limits (:func:`sp_kpool.kernels.triton_select.supports`)."""
-    from ._probe import probe
-
     if probe("triton")[0] is None:
         return None
     from .kernels.triton_select import supports, topk_ascending
@@ -274,16 +271,13 @@ def _rank_by_score(scores: torch.Tensor, pools: torch.Tensor, base: torch.Tensor
     """The selected ``pools`` (global ids, ``-1`` unused) of each row in score order."""
     valid = pools >= 0
     idx = torch.where(valid, pools.long() - base, 0)
-    vals = scores.gather(1, idx) + 0.0
-    bits = vals.view(torch.int32).to(torch.int64)
-    keys = (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | (0xFFFFFFFF - idx)
-    top = torch.sort(keys.masked_fill_(~valid, _INVALID_KEY), dim=-1, descending=True).values
-    out = (0xFFFFFFFF - (top & 0xFFFFFFFF)) + base
-    return out.masked_fill_(top == _INVALID_KEY, -1)
+    keys = _pack_keys(scores.gather(1, idx), idx).masked_fill_(~valid, _INVALID_KEY)
+    top = torch.sort(keys, dim=-1, descending=True).values
+    return _unpack_ids(top, base).masked_fill_(top == _INVALID_KEY, -1)
 
 
 def select_pools(
-    scores, visible, k: int, col0, ends=None, ordered: bool = True, order: str = "", starts=None
+    scores, visible, k: int, col0, ends=None, order: str = "", starts=None
 ) -> torch.Tensor:
     """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` global pool ids, ``-1``.
 
@@ -293,8 +287,7 @@ def select_pools(
     (optional; cells outside are ignored).
 
     Order of each row: ``order="ascending"``: ascending pool id; ``"serving"``: the serving
-    selector's; otherwise score order, unless ``ordered=False`` (then any order; valid ids
-    first). On CUDA the Triton selector of :mod:`sp_kpool.kernels.triton_select` (exact by
+    selector's; otherwise score order. On CUDA the Triton selector of :mod:`sp_kpool.kernels.triton_select` (exact by
     construction, no host synchronisation), else LMDeploy's radix selector with an
     exactness check, else the FP32 candidate path; on CPU the int64-key path. All return
     the same sets.
@@ -317,11 +310,11 @@ def select_pools(
             lo = starts if starts is not None else torch.zeros(R, dtype=torch.int32, device=dev)
             hi = ends if ends is not None else torch.full((R,), n, dtype=torch.int32, device=dev)
             pools = fast(scores, lo, hi, base.to(torch.int64), k)[:, : min(k, n)]
-            return _rank_by_score(scores, pools, base.reshape(R, 1)) if order != "ascending" and ordered else pools
+            return pools if order == "ascending" else _rank_by_score(scores, pools, base.reshape(R, 1))
         scores = torch.where(torch.isnan(scores), -float("inf"), scores)  # NaN: never selected
         selector = _radix_selector(k) if ends is not None else None
         if selector is not None:
-            pools = topk_pools_radix(scores, ends, k, col0, selector, ordered and order != "ascending")[0]
+            pools = topk_pools_radix(scores, ends, k, col0, selector, ordered=order != "ascending")[0]
         else:
             pools = topk_pools_fast(scores, k, col0)[0]
     else:
@@ -362,14 +355,11 @@ def assemble(
     device = pools.device
     rows, k_sel = pools.shape
     width = output_width(topk, kpool, alignment)
-    big = torch.iinfo(torch.int32).max
     p32 = pools.to(torch.int32)
-    valid = p32 >= 0
     if order == "ascending" and not presorted:
-        p32 = torch.sort(p32.masked_fill(~valid, big), dim=-1).values
-        valid = p32 != big
-        p32 = p32.masked_fill_(~valid, -1)
-    if device.type == "cuda" and _triton_select(1) is not None:
+        p32 = _ascending(p32)
+    valid = p32 >= 0
+    if device.type == "cuda" and probe("triton")[0] is not None:
         from .kernels.triton_select import expand_pools
 
         out = torch.full((rows, width), -1, dtype=torch.int32, device=device)

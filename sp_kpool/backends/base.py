@@ -16,13 +16,13 @@ for bit on CPU (gloo), and on an H200 for the TileLang and DeepGEMM kernels.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .._env import env_int
 from ..pooling import pool_table
 from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
@@ -62,15 +62,9 @@ def default_max_logits_bytes(device: torch.device | str | None = None) -> int:
     (fewer, larger chunks: each chunk costs a few host synchronisations) and 256 MiB
     elsewhere. Ranks on the same kind of device get the same default, so results stay
     bitwise equal across world sizes."""
-    raw = os.environ.get(_ENV_BUDGET)
-    if raw is None or raw == "":
+    value = env_int(_ENV_BUDGET, minimum=1, expected="a positive integer number of bytes")
+    if value is None:
         return _DEFAULT_BUDGET_CUDA if device is not None and torch.device(device).type == "cuda" else _DEFAULT_BUDGET
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{_ENV_BUDGET}: expected a positive integer number of bytes, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"{_ENV_BUDGET}: expected a positive integer number of bytes, got {value}")
     return value
 
 

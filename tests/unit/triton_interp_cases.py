@@ -21,10 +21,14 @@ from sp_kpool.testing.triton_interp import interpreted_module  # noqa: E402
 ts = interpreted_module("sp_kpool.kernels.triton_select")
 
 
-def exact_ascending(scores, starts, ends, base, k):
+def in_range(scores, starts, ends):
     cols = torch.arange(scores.shape[1])
+    return (cols[None] >= starts[:, None]) & (cols[None] < ends[:, None])
+
+
+def exact_ascending(scores, starts, ends, base, k):
     # -inf cells are invisible; NaN cells stay "visible" here: topk_pools must drop them
-    vis = (cols[None] >= starts[:, None]) & (cols[None] < ends[:, None]) & (scores != -float("inf"))
+    vis = in_range(scores, starts, ends) & (scores != -float("inf"))
     p, ok = topk_pools(scores, vis, k, 0)
     p = _ascending(torch.where(ok, p + base[:, None], -1))
     out = torch.full((scores.shape[0], k), -1, dtype=torch.int64)
@@ -138,8 +142,6 @@ def test_rank_by_score_gives_score_order():
     base = torch.tensor([7, 1000, 0, 5, 9], dtype=torch.int64)
     k = 50
     asc = ts.topk_ascending(s, starts, ends, base, k)
-    cols = torch.arange(300)
-    vis = (cols[None] >= starts[:, None]) & (cols[None] < ends[:, None])
-    want, ok = topk_pools(s, vis, k, 0)
+    want, ok = topk_pools(s, in_range(s, starts, ends), k, 0)
     want = torch.where(ok, want + base[:, None], -1)
     assert torch.equal(_rank_by_score(s, asc, base[:, None]), want)
