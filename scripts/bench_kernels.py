@@ -7,7 +7,8 @@ Workload: the rank-3 slice of a 4-rank split of one ``--total``-token document (
 Reports, measured in the same run: the BF16 and FP8 matrix-product ceilings of this GPU;
 per stage (pool, score, select, expand) times of the tilelang (bf16) and deepgemm (fp8)
 backends with achieved TFLOP/s (causal query-pool pairs only) and the fraction of the
-ceiling; DeepGEMM scoring alone; torch.topk, LMDeploy's selector and the Triton exact selector on
+ceiling; DeepGEMM scoring alone (with and without its -inf cleaning of the cells outside the
+row ranges); torch.topk, LMDeploy's selector and the Triton exact selector on
 the same logits;
 the torch backend end to end (twice, the faster counts) for the speed-up. Writes ``bench_kernels.json``.
 """
@@ -109,8 +110,9 @@ def tune(args):
         flops = 2.0 * causal_pairs(p) * H * 128
         for cfg in args.tune.split(","):
             c = tuple(int(v) for v in cfg.split(":"))
+            clean = bool(c[4]) if len(c) > 4 else True  # 5th field 0: no -inf fill and masking
             try:
-                ms = bench(lambda: tilelang_scores(p.q, w, pooled, s, e, config=c), reps=5, warmup=1)
+                ms = bench(lambda: tilelang_scores(p.q, w, pooled, s, e, config=c[:4], clean=clean), reps=5, warmup=1)
                 row = {"H": H, "config": cfg, "ms": ms, "tflops": flops / ms / 1e9}
             except Exception as exc:  # noqa: BLE001
                 row = {"H": H, "config": cfg, "error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
@@ -126,7 +128,7 @@ def main():
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=0, help="max_logits_bytes for the GPU backends (0: the library default)")
     ap.add_argument("--torch-baseline", action="store_true", help="also time the torch backend end to end (slow)")
-    ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads,...' to time first")
+    ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads[:bq[:clean]],...' to time first")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -172,6 +174,11 @@ def main():
                 row["deepgemm_alone_ms"] = ms
                 row["deepgemm_alone_tflops"] = flops / ms / 1e9
                 row["whole_over_deepgemm_alone"] = row["whole_ms"] / ms
+                # the kernel as the indexer calls it when the Triton selector reads the row
+                # ranges itself (no -inf cleaning pass)
+                ms = bench(lambda: fn(q8, (k8, ks), wq, s, e, clean_logits=False), reps=10)
+                row["deepgemm_alone_noclean_ms"] = ms
+                row["whole_over_deepgemm_alone_noclean"] = row["whole_ms"] / ms
                 logits = fn(q8, (k8, ks), wq, s, e, clean_logits=True)[:, : k8.shape[0]]
                 row["torch_topk_520_ms"] = bench(lambda: torch.topk(logits, 520, dim=-1), reps=5)
                 try:

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from sp_kpool.kernels import triton_select  # noqa: E402
 from sp_kpool.kernels.triton_select import topk_ascending  # noqa: E402
 from sp_kpool.selection import _ascending, topk_pools  # noqa: E402
 
@@ -59,13 +60,24 @@ def exact(s, ends, k, base):
     return torch.cat(out)
 
 
+def launch(cfg, sms):
+    """Keyword arguments of ``topk_ascending`` for ``'warps:ways:maxnreg[:tile[:per_sm]]'``."""
+    if cfg == "default":
+        return {}
+    vals = [int(x) for x in cfg.split(":")] + [0, 0]
+    warps, ways, maxnreg, tile, per_sm = vals[:5]
+    return {"num_warps": warps or None, "ways": ways or 2, "maxnreg": maxnreg or None, "tile": tile or None,
+            "programs": per_sm * sms if per_sm else None}  # fmt: skip
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--pools", type=int, default=32768)
     ap.add_argument("--k", type=int, default=512)
-    ap.add_argument("--configs", default="4096:8:4,8192:16:2,8192:8:4,16384:16:2,4096:4:8,2048:4:8")
-    ap.add_argument("--phase-config", default="8192:16:2", help="config whose phases 1-3 are timed alone")
+    ap.add_argument("--configs", default="default,8:2:64,8:3:64,4:2:64,8:2:0",
+                    help="comma-separated 'warps:ways:maxnreg[:tile[:per_sm]]' (0: the kernel's default) or 'default'")
+    ap.add_argument("--phase-config", default="default", help="config whose phases 1-3 are timed alone")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -82,18 +94,18 @@ def main():
         ref = exact(s, ends, args.k, base)
         row = {"levels": levels, "gib": s.numel() * 4 / 2**30, "configs": {}}
         for cfg in args.configs.split(","):
-            tile, warps, per_sm = (int(x) for x in cfg.split(":"))
-            f = lambda: topk_ascending(s, starts, ends, bvec, args.k, tile=tile, num_warps=warps, programs=per_sm * sms)  # noqa: E731
+            kw = launch(cfg, sms)
+            f = lambda: topk_ascending(s, starts, ends, bvec, args.k, **kw)  # noqa: E731
             got = f()
             ok = torch.equal(got, ref)
             ms = bench(f)
-            row["configs"][cfg] = {"ms": ms, "equal_exact": ok, "gb_per_s": s.numel() * 4 / ms / 1e6}
-            log(f"levels={levels} cfg={cfg} {ms:.3f} ms equal={ok}")
+            row["configs"][cfg] = {"ms": ms, "equal_exact": ok, "gb_per_s": s.numel() * 4 / ms / 1e6,
+                                   "launch": dict(triton_select.last_launch)}  # fmt: skip
+            log(f"levels={levels} cfg={cfg} {ms:.3f} ms equal={ok} launch={triton_select.last_launch}")
         if levels == 0 and args.phase_config:
-            tile, warps, per_sm = (int(x) for x in args.phase_config.split(":"))
+            kw = launch(args.phase_config, sms)
             for ph in (1, 2, 3):
-                ms = bench(lambda: topk_ascending(s, starts, ends, bvec, args.k, tile=tile, num_warps=warps,
-                                                  programs=per_sm * sms, phases=ph))  # fmt: skip
+                ms = bench(lambda: topk_ascending(s, starts, ends, bvec, args.k, phases=ph, **kw))
                 row[f"phases_1_to_{ph}_ms"] = ms
                 log(f"phases 1..{ph} ({args.phase_config}): {ms:.3f} ms")
         if levels == 0:

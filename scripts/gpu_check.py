@@ -298,8 +298,16 @@ def section_selectors(quick):
             base = torch.full((R,), 5, dtype=torch.int64, device="cuda")
             got = topk_ascending(scores, st, en, base, k)[:, : ref.shape[1]]
             got2 = topk_ascending(masked, st, en, base, k, tile=1024, num_warps=4)[:, : ref.shape[1]]
-            record("selectors", f"triton topk_ascending == exact levels={levels} k={k}",
-                   torch.equal(got, ref) and torch.equal(got2, ref))  # fmt: skip
+            got3 = topk_ascending(masked, st, en, base, k, ways=5, maxnreg=64)[:, : ref.shape[1]]
+            got4 = topk_ascending(scores, st, en, base, k, ways=3, num_warps=8)[:, : ref.shape[1]]
+            record("selectors", f"triton topk_ascending == exact levels={levels} k={k} (4 launch configurations)",
+                   all(torch.equal(x, ref) for x in (got, got2, got3, got4)))  # fmt: skip
+        # odd width: the last row runs from a padded copy (whole groups are read)
+        odd = scores[:, :8191].contiguous()
+        ref = _ascending(topk_pools(odd, vis[:, :8191], 512, 5)[0]).int()
+        en_odd = en.clamp(max=8191)
+        got = topk_ascending(odd, st, en_odd, torch.full((R,), 5, dtype=torch.int64, device="cuda"), 512)
+        record("selectors", f"triton topk_ascending == exact, 8191 columns, levels={levels}", torch.equal(got, ref))
     # rows wider than 65536 columns: groups of 16 columns
     from sp_kpool.kernels.triton_select import topk_ascending
 
@@ -311,9 +319,10 @@ def section_selectors(quick):
         en = torch.full((R,), N, device="cuda") - torch.randint(0, 1000, (R,), generator=g, device="cuda")
         cols = torch.arange(N, device="cuda")
         vis = (cols >= st[:, None]) & (cols < en[:, None])
-        ref = _ascending(topk_pools(scores, vis, 512, 0)[0]).int()
-        got = topk_ascending(scores, st, en, torch.zeros(R, dtype=torch.int64, device="cuda"), 512)
-        record("selectors", f"triton topk_ascending == exact, {N} columns, levels={levels}", torch.equal(got, ref))
+        for k in (512, 2048):
+            ref = _ascending(topk_pools(scores, vis, k, 0)[0]).int()
+            got = topk_ascending(scores, st, en, torch.zeros(R, dtype=torch.int64, device="cuda"), k)
+            record("selectors", f"triton topk_ascending == exact, {N} columns, k={k}, levels={levels}", torch.equal(got, ref))
 
 
 def section_ranks(quick):

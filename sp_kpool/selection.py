@@ -335,6 +335,7 @@ def assemble(
     order: str,
     alignment: int,
     presorted: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expand selected pools to token ids, add the tail, lay out the columns.
 
@@ -346,6 +347,7 @@ def assemble(
         topk, kpool, tail, order, alignment: see :func:`sp_kpool.kpool_topk`.
         presorted: ``pools`` are already in ascending order (as :func:`select_pools`
             returns them for ``order="ascending"``); skips the sort.
+        out: optional ``[R, width]`` int32 destination, overwritten entirely (saves a copy).
 
     Returns:
         ``[R, align(topk + kpool - 1, alignment)]`` int32 global token ids, ``-1`` padded.
@@ -355,6 +357,9 @@ def assemble(
     device = pools.device
     rows, k_sel = pools.shape
     width = output_width(topk, kpool, alignment)
+    dest, out = out, None
+    if dest is not None and (dest.shape != (rows, width) or dest.dtype != torch.int32):
+        raise ValueError(f"out: expected an int32 tensor of shape {(rows, width)}, got {dest.dtype} {tuple(dest.shape)}")
     p32 = pools.to(torch.int32)
     if order == "ascending" and not presorted:
         p32 = _ascending(p32)
@@ -362,9 +367,9 @@ def assemble(
     if device.type == "cuda" and probe("triton")[0] is not None:
         from .kernels.triton_select import expand_pools
 
-        out = torch.full((rows, width), -1, dtype=torch.int32, device=device)
+        dest = dest.fill_(-1) if dest is not None else torch.full((rows, width), -1, dtype=torch.int32, device=device)
         return expand_pools(
-            p32, pool_tok_start, meta.rows, meta.tail_len, out, topk=topk, kpool=kpool, tail=tail
+            p32, pool_tok_start, meta.rows, meta.tail_len, dest, topk=topk, kpool=kpool, tail=tail
         )  # fmt: skip
     num_pools = pool_tok_start.numel()
     ext = torch.cat([pool_tok_start.to(torch.int32), pool_tok_start.new_full((1,), -kpool, dtype=torch.int32)])
@@ -388,4 +393,4 @@ def assemble(
             wide = torch.cat([out, out.new_full((rows, 1), -1)], dim=1)
             wide.scatter_(1, col, tail_ids)
             out = wide[:, :width]
-    return out
+    return dest.copy_(out) if dest is not None else out

@@ -165,7 +165,9 @@ class Backend:
         pool ``lo + offset[r] + c`` (``masks_scores`` must then hold)."""
         raise NotImplementedError
 
-    #: ``score`` writes ``-inf`` outside each row's visible range.
+    #: ``score`` writes ``-inf`` outside each row's visible range, or may leave those cells
+    #: when :func:`select_pools` will select with the Triton selector and ``order`` is not
+    #: ``"serving"`` (that selector reads only ``[start, end)`` of each row).
     masks_scores: bool = False
     #: Upper bound on the rows of one scoring chunk.
     max_chunk_rows: int = MAX_CHUNK_ROWS
@@ -275,20 +277,23 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
     seq, kpool, device = problem.seq, problem.kpool, problem.device
     tables = pool_table(seq.real_cu_seq_lens, kpool)
     width = output_width(problem.topk, kpool, problem.alignment)
-    out = torch.full((seq.shard_size, width), -1, dtype=torch.int32, device=device)
+    out = torch.empty((seq.shard_size, width), dtype=torch.int32, device=device)
     own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
     if own_hi <= own_lo:
-        return out  # this shard holds only padding
-    pts_dev = tables[0].to(device)
+        return out.fill_(-1)  # this shard holds only padding
+    out[own_hi - own_lo :].fill_(-1)  # padding rows; assemble writes the others whole
     # host-to-device copies before any kernel is queued (see select_rows)
-    meta = row_meta(torch.arange(own_lo, own_hi, device=device), seq.real_cu_seq_lens.to(device), tables[1].to(device), kpool)
+    pts_dev, cu_dev, offs_dev = tables[0].to(device), seq.real_cu_seq_lens.to(device), tables[1].to(device)
     if pooled is None and pts_dev.numel():
         with stage(problem, "pool"):
             pooled = backend.pool(problem, pts_dev)
     n = own_hi - own_lo
     pools = select_rows(backend, problem, pooled, tables, own_lo, own_hi, problem.q[:n], problem.head_weights[:n])
     with stage(problem, "expand"):
-        out[:n] = assemble(
+        # the rows' metadata only now: its small kernels queue behind the scoring instead of
+        # delaying the first one
+        meta = row_meta(torch.arange(own_lo, own_hi, device=device), cu_dev, offs_dev, kpool)
+        assemble(
             pools,
             meta,
             pts_dev,
@@ -298,5 +303,6 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
             order=problem.order,
             alignment=problem.alignment,
             presorted=True,
+            out=out[:n],
         )
     return out

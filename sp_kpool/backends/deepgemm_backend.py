@@ -22,6 +22,7 @@ import torch
 
 from .._probe import cuda_reason, probe
 from ..logits_budget import logits_bytes, logits_chunk_rows
+from ..selection import _triton_select
 from .base import Backend, Problem, round_rows
 
 __all__ = ["DeepGemmBackend", "mqa_api"]
@@ -139,8 +140,11 @@ class DeepGemmBackend(Backend):
         kv = (k8[lo - shift : hi], k_scale[lo - shift : hi])
         n = hi - lo
         ks, ke = starts + shift, ends + shift
+        # -inf outside the row ranges only where a reader needs it: the Triton selector reads
+        # [start, end) of each row itself; the serving selector and the fallbacks read more
+        clean = problem.order == "serving" or _triton_select(problem.topk // problem.kpool, n) is None
         if layout == "legacy":
-            logits = fn(q8, kv, wq, ks, ke, clean_logits=True)
+            logits = fn(q8, kv, wq, ks, ke, clean_logits=clean)
             width = n
         else:
             lens = ends - starts
@@ -159,6 +163,7 @@ class DeepGemmBackend(Backend):
         if layout == "legacy":
             return logits[:, shift : shift + n]
         scores = logits[:, :width]
-        cols = torch.arange(width, device=q.device)
-        scores = scores.masked_fill(cols[None] >= lens[:, None], -float("inf"))
+        if clean:
+            cols = torch.arange(width, device=q.device)
+            scores = scores.masked_fill(cols[None] >= lens[:, None], -float("inf"))
         return scores, starts.to(torch.int64)

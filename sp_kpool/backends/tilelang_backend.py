@@ -3,7 +3,8 @@
 Pools on the GPU (``bf16``: the model arithmetic in torch ops; ``bf16-serving``: the
 Triton decode-compression kernel, bitwise equal to the torch one, or the torch one when
 Triton is missing), scores with the TileLang kernel of :mod:`sp_kpool.kernels.tilelang_score`
-(``-inf`` outside each row's causal range), selection by
+(``-inf`` outside each row's causal range; the fill of the rest of the chunk is skipped
+when the Triton selector, which reads only each row's range, selects), selection by
 :func:`sp_kpool.selection.select_pools` (on CUDA the exact Triton selector, no host sync).
 """
 
@@ -14,6 +15,7 @@ import torch
 from .. import serving
 from .._probe import cuda_reason, probe
 from ..pooling import compress_pools_bf16
+from ..selection import _triton_select
 from .base import Backend, Problem
 
 __all__ = ["TileLangBackend"]
@@ -68,4 +70,6 @@ class TileLangBackend(Backend):
 
         H, D = problem.heads, problem.head_dim
         wq = w.float() * (H**-0.5 * D**-0.5)
-        return tilelang_scores(q, wq, pooled[lo:hi], starts, ends)
+        # the -inf fill of the whole chunk only where a reader needs it (see masks_scores)
+        clean = problem.order == "serving" or _triton_select(problem.topk // problem.kpool, hi - lo) is None
+        return tilelang_scores(q, wq, pooled[lo:hi], starts, ends, clean=clean)

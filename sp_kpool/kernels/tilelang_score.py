@@ -29,7 +29,7 @@ _ENV_CONFIG = "SP_KPOOL_TILELANG_CONFIG"  # "block_n,num_stages,threads"
 
 def default_config(heads: int, dim: int) -> tuple[int, int, int, int]:
     """``(block_n, num_stages, threads, block_q)``; ``$SP_KPOOL_TILELANG_CONFIG`` overrides
-    (``"block_n,num_stages,threads[,block_q]"``). Default from the H200 sweep in
+    (``"block_n,num_stages,threads[,block_q]"``). Default from the H200 sweeps in
     ``benchmarks/results/``."""
     raw = os.environ.get(_ENV_CONFIG)
     if raw:
@@ -40,13 +40,16 @@ def default_config(heads: int, dim: int) -> tuple[int, int, int, int]:
         except ValueError:
             raise ValueError(f"{_ENV_CONFIG}: expected 'block_n,num_stages,threads[,block_q]', got {raw!r}") from None
         return bn, st, th, bq
-    if heads >= 64:  # 256 query-head rows per block, two warpgroups of consumers
+    if heads == 64:  # 256 query-head rows per block, four warpgroups of consumers
+        return 64, 4, 512, 4
+    if heads > 64:
         return 128, 2, 512, max(1, 256 // heads)
     return 256, 2, 256, max(1, 128 // heads)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int, block_q: int, warp_specialized: bool = True):
+def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int, block_q: int, warp_specialized: bool = True,
+            mask: bool = True):
     import tilelang
     import tilelang.language as T
 
@@ -84,14 +87,20 @@ def _kernel(heads: int, dim: int, block_n: int, num_stages: int, threads: int, b
                     for i, j, h in T.Parallel(block_n, block_q, heads):
                         s3[i, j, h] = T.max(s3[i, j, h], 0) * w_f[j, h]
                     T.reduce_sum(s3, acc, dim=-1, clear=True)
-                    for j, i in T.Parallel(block_q, block_n):
-                        c = BlockLo[bx] + nb * block_n + i
-                        if c < BlockHi[bx]:
-                            Out[r0 + j, c] = T.if_then_else(
-                                c >= Starts[r0 + j],
-                                T.if_then_else(c < Ends[r0 + j], acc[i, j], -T.infinity("float32")),
-                                -T.infinity("float32"),
-                            )
+                    if mask:
+                        for j, i in T.Parallel(block_q, block_n):
+                            c = BlockLo[bx] + nb * block_n + i
+                            if c < BlockHi[bx]:
+                                Out[r0 + j, c] = T.if_then_else(
+                                    c >= Starts[r0 + j],
+                                    T.if_then_else(c < Ends[r0 + j], acc[i, j], -T.infinity("float32")),
+                                    -T.infinity("float32"),
+                                )
+                    else:  # the reader ignores cells outside [start, end)
+                        for j, i in T.Parallel(block_q, block_n):
+                            c = BlockLo[bx] + nb * block_n + i
+                            if c < BlockHi[bx]:
+                                Out[r0 + j, c] = acc[i, j]
 
         return pool_scores
 
@@ -105,6 +114,7 @@ def tilelang_scores(
     starts: torch.Tensor,
     ends: torch.Tensor,
     config: tuple[int, ...] | None = None,
+    clean: bool = True,
 ) -> torch.Tensor:
     """Scores of every query row against its pool range.
 
@@ -112,9 +122,13 @@ def tilelang_scores(
         q: ``[R, H, D]`` bfloat16 (CUDA); weights: ``[R, H]`` float32, already scaled by
             ``H^-0.5 * D^-0.5``; keys: ``[N, D]`` bfloat16 pooled keys;
             starts, ends: ``[R]`` int32, each row's visible columns ``[start, end)``.
+        clean: ``True``: ``-inf`` in every cell outside each row's range. ``False``, for
+            readers that read only ``[start, end)`` of each row: no ``-inf`` fill pass (a
+            4-byte write per cell) and no masking in the kernel; cells outside the row's
+            range are unspecified.
 
     Returns:
-        ``[R, N]`` float32 scores, ``-inf`` outside each row's range.
+        ``[R, N]`` float32 scores, ``-inf`` outside each row's range (``clean=True``).
     """
     R, H, D = q.shape
     cfg = tuple(config or default_config(H, D))
@@ -127,7 +141,10 @@ def tilelang_scores(
         weights = torch.cat([weights, weights.new_zeros((pad, H))])
         starts = torch.cat([starts, starts.new_zeros(pad)])
         ends = torch.cat([ends, ends.new_zeros(pad)])
-    out = torch.full((Rp, keys.shape[0]), -float("inf"), dtype=torch.float32, device=q.device)
+    if clean:
+        out = torch.full((Rp, keys.shape[0]), -float("inf"), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.empty((Rp, keys.shape[0]), dtype=torch.float32, device=q.device)
     # per block: the union of its rows' ranges (empty ranges do not widen it)
     nonempty = ends > starts
     big = torch.iinfo(torch.int32).max
@@ -136,14 +153,14 @@ def tilelang_scores(
     blo = torch.minimum(blo, bhi).to(torch.int32)
     args = (q.reshape(Rp * H, D).contiguous(), keys.contiguous(), weights.contiguous(), starts.contiguous(),
             ends.contiguous(), blo.contiguous(), bhi.to(torch.int32).contiguous(), out)  # fmt: skip
-    _compiled(H, D, bn, st, th, block_q)(*args)
+    _compiled(H, D, bn, st, th, block_q, clean)(*args)
     return out[:R]
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(H, D, bn, st, th, bq):
+def _compiled(H, D, bn, st, th, bq, mask=True):
     """The kernel, warp-specialized if this TileLang build compiles it so, else without."""
     try:
-        return _kernel(H, D, bn, st, th, bq, True)[0]
+        return _kernel(H, D, bn, st, th, bq, True, mask)[0]
     except Exception:  # noqa: BLE001 - a compiler failure of the specialized form
-        return _kernel(H, D, bn, st, th, bq, False)[0]
+        return _kernel(H, D, bn, st, th, bq, False, mask)[0]

@@ -10,20 +10,28 @@ scratch area in global memory, which stays in L2):
 
 1. Keys: the FP32 bits mapped to a monotone int32; cells outside ``[start, end)`` or at
    ``-inf`` or NaN get ``INT32_MIN`` (invisible). One pass over the row stores the maxima
-   of groups of ``G`` aligned adjacent columns (``G`` = 8 up to 65528 columns, then 16, 32,
-   ...) and counts the visible cells.
-2. ``L``: a value with at least ``k`` and at most ``capg`` group maxima ``>= L`` (bisection
-   over the maxima in registers, stopped early). At least ``k`` keys are ``>= L``, so the
-   ``k``-th best key ``T`` is ``>= L``, and every cell of the answer lies in a group with
-   maximum ``>= L``. Those groups' ids are compacted in column order.
-3. Those groups' cells (read again, mostly from L2) hold the answer: ``T`` by bisection
-   (stopped as soon as exactly ``k`` keys are at or above it), then the keys above ``T`` and the first keys equal to ``T`` in column order,
-   written in column order.
-   If more than ``capg`` groups qualify (long runs of exactly equal scores), the exact
-   ``T`` comes from bisection over the whole row, and a last pass writes the answer.
+   of groups of ``G`` aligned adjacent columns (``G`` = 8 up to 65536 columns, then 16, 32,
+   ...) and counts the visible cells. Whole groups are read with vector loads (the
+   launcher runs a row whose last group would end past the tensor's storage from a padded
+   copy); tiles inside ``[start, end)`` take a path without masks that converts only the
+   group maxima to keys.
+2. ``L``: a value with at least ``k`` and at most ``capg`` (default: the power of two
+   ``>= k``) group maxima ``>= L``, by a search over the maxima in registers that stops
+   early. At least ``k`` keys are ``>= L``, so the ``k``-th best key ``T`` is ``>= L``,
+   and every cell of the answer lies in a group with maximum ``>= L``. Those groups' ids
+   are compacted in column order.
+3. Their cells (read again) hold the answer: ``T`` by the same search, stopped as soon as
+   exactly ``k`` keys are at or above it; then the keys above ``T`` and the first keys
+   equal to ``T`` in column order, written in column order. Up to ``capg`` groups the
+   cells sit in registers; more groups (long runs of exactly equal scores) are streamed
+   in blocks of ``capg`` groups for every step of the search and for the output.
 
-Prefix counts use a scan over group sums plus a scan inside each group: one long scan
-over a tile is slow in Triton (a barrier per register chunk).
+The searches count two thresholds per block reduction by default (``ways=3``): on an H200
+a row's time is bound by the number of dependent block reductions (barriers) as much as by
+its arithmetic. Launches of up to 8 warps cap registers at 80 per thread (3 programs per SM
+instead of 1), and index tensors are rebuilt per row so that the compiler cannot keep them
+live across the row loop. Prefix counts use a scan over group sums plus a scan inside each
+group: one long scan over a tile is slow in Triton (a barrier per register chunk).
 
 Rows with at most ``k`` visible cells select all of them. :func:`expand_pools` turns
 selected pools into token ids, adds the tail and writes either column layout.
@@ -39,6 +47,11 @@ import triton.language as tl
 
 __all__ = ["topk_ascending", "expand_pools", "supports", "MAX_K"]
 
+#: Register cap (``maxnreg``) of launches of up to 8 warps: 3 programs of 8 warps per SM
+#: instead of 1 (the compiler's choice, ~190 registers); the fastest of the caps timed on an
+#: H200 by ``scripts/bench_select.py`` (benchmarks/results/2026-11-29-h200-s4/).
+_DEFAULT_MAXNREG = 80
+
 #: Largest ``k`` handled by :func:`topk_ascending` (checked on an H200 up to 2048; larger ``k``
 #: selects with the other CUDA paths of :func:`sp_kpool.selection.select_pools`).
 MAX_K = 2048
@@ -46,7 +59,7 @@ _MAX_GROUPS = 8192
 
 
 #: Largest block of candidate cells (candidate groups x columns per group): the largest run
-#: on an H200 (k 2048, groups of 8). Larger blocks spill registers (Triton caps any block at
+#: on an H200 (k 2048, groups of 16, 70000 columns). Larger blocks spill registers (Triton caps any block at
 #: 2**20 elements); such shapes select with the other paths of ``select_pools``.
 _MAX_BLOCK = 32768
 
@@ -57,20 +70,28 @@ def _pow2(n: int) -> int:
 
 def _sizes(W: int, k: int, tile: int, capg: int | None):
     """``(tile, group, ng, capg)`` of a launch for rows of width ``W``."""
-    tile = min(tile, _pow2(max(W + 8, 16)))
-    span = -(-(max(W, 1) + 8) // tile) * tile  # columns a row's tiles may cover
-    group = max(8, min(tile // 8, _pow2(-(-span // _MAX_GROUPS))))
-    ng = max(_pow2(span // group), group)
-    return tile, group, ng, _pow2(capg or 2 * k)
+    tile = min(_pow2(tile), _pow2(max(W + 8, 16)))
+    group = max(8, min(tile // 8, _pow2(-(-max(W, 1) // _MAX_GROUPS))))
+    # groups are aligned to multiples of `group` columns: a row [a, e) within W columns
+    # touches at most cdiv(W, group) of them
+    ng = max(_pow2(-(-max(W, 1) // group)), group)
+    return tile, group, ng, _pow2(capg or k)
+
+
+def _default_warps(W: int, k: int) -> int:
+    """Warps per program: 16 candidate cells per thread, 4 to 16 warps."""
+    _, group, _, capg = _sizes(W, k, 4096, None)
+    return min(16, max(4, capg * group // 512))
 
 
 def supports(width: int, k: int) -> bool:
     """Whether :func:`topk_ascending` handles rows of ``width`` columns and this ``k`` (at
-    the default launch): ``1 <= k <= MAX_K`` and ``2k`` candidate groups of ``G`` columns
-    within a block of 32768 cells (``k`` 512: up to 262136 columns; ``k`` 2048: up to 65528)."""
+    the default launch): ``1 <= k <= MAX_K`` and ``capg`` (the power of two ``>= k``)
+    candidate groups of ``G`` columns within a block of 32768 cells (``k`` 512: up to 524288
+    columns; ``k`` 2048: up to 131072). Checked on an H200 up to 70000 columns."""
     if not 1 <= k <= MAX_K:
         return False
-    _, group, _, capg = _sizes(width, k, 8192, None)
+    _, group, _, capg = _sizes(width, k, 512 * _default_warps(width, k), None)
     return capg * group <= _MAX_BLOCK
 
 
@@ -84,30 +105,100 @@ def row_keys(s, ok):
 
 
 @triton.jit
-def load_keys(srow, cols, a, e):
-    inb = (cols >= a) & (cols < e)
-    s = tl.load(srow + cols, mask=inb, other=float("-inf"))
-    return row_keys(s, inb)
+def load_keys(srow, g0, tg, gok, a, e):
+    """Keys of the groups starting at columns ``g0`` (``[NB]``, multiples of ``G``) with
+    ``gok``; whole groups are read (vector loads: the mask is constant along a group, so
+    the caller must own the columns up to the end of the last group) and cells outside
+    ``[a, e)`` are masked afterwards."""
+    cols = g0[:, None] + tg[None, :]
+    s = tl.load(srow + cols, mask=gok[:, None], other=float("-inf"))
+    return row_keys(s, (cols >= a) & (cols < e)), cols
 
 
 @triton.jit
-def kth_largest(vals, k, lo, stop):
-    """Bisection for ``x >= lo`` with ``count(vals >= x) >= k``, stopping as soon as that
+def count_ge4(vals, m1, m2, m3, m4):
+    """``count(vals >= m_j)`` for four thresholds in one reduction (16-bit fields of an
+    int64 sum; the caller's blocks hold at most 32768 values)."""
+    c = ((vals >= m1.to(tl.int32)).to(tl.int64) | ((vals >= m2.to(tl.int32)).to(tl.int64) << 16)
+         | ((vals >= m3.to(tl.int32)).to(tl.int64) << 32) | ((vals >= m4.to(tl.int32)).to(tl.int64) << 48))
+    t = tl.sum(c)
+    return ((t & 0xFFFF).to(tl.int32), ((t >> 16) & 0xFFFF).to(tl.int32), ((t >> 32) & 0xFFFF).to(tl.int32),
+            ((t >> 48) & 0xFFFF).to(tl.int32))  # fmt: skip
+
+
+@triton.jit
+def count_ge2(vals, m1, m2):
+    """``count(vals >= m_j)`` for two thresholds in one int32 reduction (16-bit fields)."""
+    c = (vals >= m1.to(tl.int32)).to(tl.int32) | ((vals >= m2.to(tl.int32)).to(tl.int32) << 16)
+    t = tl.sum(c)
+    return t & 0xFFFF, (t >> 16) & 0xFFFF
+
+
+@triton.jit
+def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2):
+    """Search for ``x >= lo`` with ``count(vals >= x) >= k``, stopping as soon as that
     count is ``<= stop`` (``stop = k``: the exact ``k``-th largest value, or a value with
-    exactly ``k`` values at or above it). The caller guarantees ``count(vals >= lo) >= k``
-    or accepts ``lo``."""
+    exactly ``k`` values at or above it). Returns ``(x, count(vals >= x), count(vals > x))``;
+    the last is exact only where the first count is ``> stop`` (then ``x`` is the ``k``-th
+    largest value). The caller guarantees ``count(vals >= lo) >= k`` or accepts ``lo``.
+
+    ``WAYS = 2``: bisection. ``WAYS = 3`` / ``5``: each step splits ``[lo, hi)`` at two /
+    four points counted in one reduction: fewer block reductions (barriers), more
+    arithmetic."""
     lo = lo.to(tl.int64)
     hi = tl.max(vals).to(tl.int64) + 1
     cnt_lo = tl.sum((vals >= lo.to(tl.int32)).to(tl.int32))
-    for _ in range(32):
-        if (hi - lo > 1) & (cnt_lo > stop):
-            mid = lo + (hi - lo) // 2
-            cnt = tl.sum((vals >= mid.to(tl.int32)).to(tl.int32))
-            up = cnt >= k
-            lo = tl.where(up, mid, lo)
-            cnt_lo = tl.where(up, cnt, cnt_lo)
-            hi = tl.where(up, hi, mid)
-    return lo.to(tl.int32)
+    cnt_hi = tl.full((), 0, tl.int32)
+    if WAYS == 2:
+        for _ in range(32):
+            if (hi - lo > 1) & (cnt_lo > stop):
+                mid = lo + (hi - lo) // 2
+                cnt = tl.sum((vals >= mid.to(tl.int32)).to(tl.int32))
+                lo, cnt_lo, hi, cnt_hi = narrow(k, lo, cnt_lo, hi, cnt_hi, mid, cnt)
+    elif WAYS == 3:
+        for _ in range(21):  # 3**21 > 2**32
+            if (hi - lo > 1) & (cnt_lo > stop):
+                m1 = lo + tl.maximum((hi - lo) // 3, 1)  # lo < m1 <= m2 < hi
+                m2 = lo + tl.maximum(((hi - lo) * 2) // 3, 1)
+                c1, c2 = count_ge2(vals, m1, m2)
+                lo, cnt_lo, hi, cnt_hi = narrow2(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2)
+    else:
+        for _ in range(16):  # 5**14 > 2**32
+            if (hi - lo > 1) & (cnt_lo > stop):
+                m1, m2, m3, m4 = split5(lo, hi)
+                c1, c2, c3, c4 = count_ge4(vals, m1, m2, m3, m4)
+                lo, cnt_lo, hi, cnt_hi = narrow4(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2, m3, c3, m4, c4)
+    return lo.to(tl.int32), cnt_lo, cnt_hi
+
+
+@triton.jit
+def split5(lo, hi):
+    """Four points ``lo < m1 <= m2 <= m3 <= m4 < hi`` (``hi - lo >= 2``) splitting ``[lo, hi)`` in five."""
+    w = hi - lo
+    return (lo + tl.maximum(w // 5, 1), lo + tl.maximum((w * 2) // 5, 1), lo + tl.maximum((w * 3) // 5, 1),
+            lo + tl.maximum((w * 4) // 5, 1))  # fmt: skip
+
+
+@triton.jit
+def narrow(k, lo, cnt_lo, hi, cnt_hi, m, c):
+    """``[lo, hi)`` (with ``count(vals >= lo) >= k > count(vals >= hi)``) narrowed by the
+    count ``c`` at a point ``m``; applied for several points in any order, ``lo`` ends at
+    the highest point with count ``>= k`` and ``hi`` at the lowest with count ``< k``."""
+    up = (c >= k) & (m > lo)
+    dn = (c < k) & (m < hi)
+    return tl.where(up, m, lo), tl.where(up, c, cnt_lo), tl.where(dn, m, hi), tl.where(dn, c, cnt_hi)
+
+
+@triton.jit
+def narrow2(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2):
+    lo, cnt_lo, hi, cnt_hi = narrow(k, lo, cnt_lo, hi, cnt_hi, m1, c1)
+    return narrow(k, lo, cnt_lo, hi, cnt_hi, m2, c2)
+
+
+@triton.jit
+def narrow4(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2, m3, c3, m4, c4):
+    lo, cnt_lo, hi, cnt_hi = narrow2(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2)
+    return narrow2(k, lo, cnt_lo, hi, cnt_hi, m3, c3, m4, c4)
 
 
 @triton.jit
@@ -122,20 +213,24 @@ def positions(f):
 @triton.jit
 def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gmax, Cand, R, k, nprog,
                   TILE: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, CAPG: tl.constexpr, KP: tl.constexpr,
-                  PHASES: tl.constexpr):
+                  PHASES: tl.constexpr, WAYS: tl.constexpr):
     # PHASES < 4 stops after that phase (timing of the phases only; the output is wrong)
     MINK: tl.constexpr = -2147483648
     NB: tl.constexpr = TILE // G
     pid = tl.program_id(0)
     gbase = Gmax + pid.to(tl.int64) * NG
-    cbase = Cand + pid.to(tl.int64) * CAPG
-    tb = tl.arange(0, NB)
-    tg = tl.arange(0, G)
-    gb = tl.arange(0, NG // G)
-    cg = tl.arange(0, CAPG)
-    kofs = tl.arange(0, KP)
+    cbase = Cand + pid.to(tl.int64) * NG
     for row in range(pid, R, nprog):
         a = tl.load(starts_ptr + row)
+        # z is 0 (starts are >= 0) but unknown to the compiler: index tensors built from it
+        # are computed per row instead of being hoisted out of the loop, where they would
+        # hold ~100 registers per thread for the whole kernel (fewer programs per SM)
+        z = tl.where(a < 0, a, 0) * 16
+        tb = tl.arange(0, NB) + z
+        tg = tl.arange(0, G) + z
+        gb = tl.arange(0, NG // G) + z
+        cg = tl.arange(0, CAPG) + z
+        kofs = tl.arange(0, KP) + z
         e = tl.load(ends_ptr + row)
         pbase = tl.load(base_ptr + row)
         a0 = (a // G) * G  # groups of G columns aligned to multiples of G (vector loads)
@@ -143,80 +238,103 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
         orow = Out + tl.cast(row, tl.int64) * stride_o
         tl.debug_barrier()  # the previous row is done with the scratch
         # 1. maxima of the groups of G columns, and the visible count
-        nvis = tl.full((), 0, tl.int32)
+        nv = tl.zeros((NB,), tl.int32)  # one reduction per row, not per tile
         for t0 in range(a0, e, TILE):
-            key = load_keys(srow, t0 + tb[:, None] * G + tg[None, :], a, e)
-            nvis += tl.sum((key > MINK).to(tl.int32))
-            tl.store(gbase + (t0 - a0) // G + tb, tl.max(key, axis=1))
-        ngroups = tl.cdiv(e - a0, G)
-        use_groups = tl.full((), 0, tl.int32)
-        thr = tl.full((), MINK, tl.int32)  # stream mode: keys > thr, then the first `need` equal to thr
-        need = tl.full((), 0, tl.int32)
-        low = tl.full((), MINK + 1, tl.int32)
-        nc = tl.full((), 0, tl.int32)
+            g0 = t0 + tb * G
+            if (t0 >= a) & (t0 + TILE <= e):
+                # a tile inside [a, e) (most of them): no masks, maxima of floats, one key
+                # per group
+                v = tl.load(srow + g0[:, None] + tg[None, :])
+                vis = v > float("-inf")  # NaN: invisible
+                nv += tl.sum(vis.to(tl.int32), axis=1)
+                m = tl.max(tl.where(vis, v, float("-inf")), axis=1)
+                gmax = row_keys(m, m == m)
+            else:
+                key, _c = load_keys(srow, g0, tg, g0 < e, a, e)
+                nv += tl.sum((key > MINK).to(tl.int32), axis=1)
+                gmax = tl.max(key, axis=1)
+            gidx = (t0 - a0) // G + tb
+            tl.store(gbase + gidx, gmax, mask=gidx < NG)
+        nvis = tl.sum(nv)
+        nsel = tl.minimum(nvis, k)
         if (nvis > k) & (PHASES >= 2):
             tl.debug_barrier()
+            ngroups = tl.cdiv(e - a0, G)
             gi = gb[:, None] * G + tg[None, :]  # group ids as [NG / G, G]
             gm = tl.load(gbase + gi, mask=gi < ngroups, other=MINK)
-            # 2. L = k-th largest group maximum: >= k keys are >= L, and every key of the
-            # answer lies in a group whose maximum is >= L
-            # (any lower bound with at most CAPG groups at or above it will do)
-            low = tl.maximum(kth_largest(gm, k, tl.full((), MINK, tl.int32), CAPG), MINK + 1)
-            # 3. those groups, in column order
+            # 2. L: at least k group maxima are >= L, so the k-th key T is >= L and every
+            # key of the answer lies in a group whose maximum is >= L (the search stops as
+            # soon as at most CAPG groups qualify)
+            low = tl.maximum(kth_largest(gm, k, tl.full((), MINK, tl.int32), CAPG, WAYS)[0], MINK + 1)
             if PHASES >= 3:
+                # 3. those groups' ids, in column order
                 f = (gm >= low).to(tl.int32)
-                pos = positions(f) - 1
-                tl.store(cbase + pos, gi, mask=(f == 1) & (pos < CAPG))
+                tl.store(cbase + positions(f) - 1, gi, mask=f == 1)
                 nc = tl.sum(f)
-            if (nc <= CAPG) | (PHASES < 4):
-                use_groups = tl.full((), 1, tl.int32)
-            else:
-                # many equal group maxima: the exact k-th key by bisection over the row
-                lo = low.to(tl.int64)  # count(key >= low) >= k
-                hi = tl.full((), 2147483648, tl.int64)
-                for _ in range(32):
-                    mid = lo + (hi - lo) // 2
-                    cnt = tl.full((), 0, tl.int32)
-                    for t0 in range(a0, e, TILE):
-                        key = load_keys(srow, t0 + tb[:, None] * G + tg[None, :], a, e)
-                        cnt += tl.sum((key >= mid.to(tl.int32)).to(tl.int32))
-                    lo = tl.where(cnt >= k, mid, lo)
-                    hi = tl.where(cnt >= k, hi, mid)
-                thr = lo.to(tl.int32)
-                above = 0
-                for t0 in range(a0, e, TILE):
-                    key = load_keys(srow, t0 + tb[:, None] * G + tg[None, :], a, e)
-                    above += tl.sum((key > thr).to(tl.int32))
-                need = k - above
-        nsel = tl.minimum(nvis, k)
-        if PHASES >= 4:
-            if use_groups == 1:
-                # 4. the exact k-th key T among the keys of those groups; then the keys above
-                # T and the first keys equal to T, in column order (ties toward lower column)
-                tl.debug_barrier()
-                gid = tl.load(cbase + cg, mask=cg < nc, other=0)
-                cols = a0 + gid[:, None] * G + tg[None, :]
-                key = load_keys(srow, cols, a, e)
-                key = tl.where((cg < nc)[:, None], key, MINK)
-                t = kth_largest(key, k, low, k)
-                above = tl.sum((key > t).to(tl.int32))
-                eq = (key == t).to(tl.int32)
-                sel = (key > t) | ((eq == 1) & (positions(eq) <= k - above))
-                pos = positions(sel.to(tl.int32)) - 1
-                tl.store(orow + pos, (pbase + cols).to(tl.int32), mask=sel)
-            else:
-                n_out = 0
-                n_eq = 0
-                for t0 in range(a0, e, TILE):
-                    cols = t0 + tb[:, None] * G + tg[None, :]
-                    key = load_keys(srow, cols, a, e)
-                    eq = (key == thr).to(tl.int32)
-                    sel = (key > thr) | ((eq == 1) & (n_eq + positions(eq) <= need))
-                    si = sel.to(tl.int32)
-                    pos = n_out + positions(si) - 1
-                    tl.store(orow + pos, (pbase + cols).to(tl.int32), mask=sel)
-                    n_out += tl.sum(si)
-                    n_eq += tl.sum(eq)
+                if PHASES >= 4:
+                    tl.debug_barrier()
+                    if nc <= CAPG:
+                        # 4. their keys in registers: T, then the keys above T and the first
+                        # keys equal to T (ties toward the lower column), in column order
+                        ok = cg < nc
+                        gid = tl.load(cbase + cg, mask=ok, other=0)
+                        key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
+                        key = tl.where(ok[:, None], key, MINK)
+                        t, n_ge, n_gt = kth_largest(key, k, low, k, WAYS)
+                        sel = key >= t
+                        if n_ge > k:  # ties at T
+                            eq = (key == t).to(tl.int32)
+                            sel = (key > t) | ((eq == 1) & (positions(eq) <= k - n_gt))
+                        tl.store(orow + positions(sel.to(tl.int32)) - 1, (pbase + cols).to(tl.int32), mask=sel)
+                    else:
+                        # 4'. more than CAPG groups (long runs of equal scores): the same
+                        # search, streaming the groups in blocks of CAPG (from L2)
+                        lo = low.to(tl.int64)
+                        hi = tl.max(gm).to(tl.int64) + 1
+                        cnt_lo = k + 1  # count(key >= low) > k is all the loop needs
+                        cnt_hi = tl.full((), 0, tl.int32)
+                        for _ in range(16):  # 5**14 > 2**32
+                            if (hi - lo > 1) & (cnt_lo > k):
+                                m1, m2, m3, m4 = split5(lo, hi)
+                                c1 = tl.full((), 0, tl.int32)
+                                c2 = tl.full((), 0, tl.int32)
+                                c3 = tl.full((), 0, tl.int32)
+                                c4 = tl.full((), 0, tl.int32)
+                                for c0 in range(0, nc, CAPG):
+                                    ok = c0 + cg < nc
+                                    gid = tl.load(cbase + c0 + cg, mask=ok, other=0)
+                                    key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
+                                    key = tl.where(ok[:, None], key, MINK)
+                                    d1, d2, d3, d4 = count_ge4(key, m1, m2, m3, m4)
+                                    c1 += d1
+                                    c2 += d2
+                                    c3 += d3
+                                    c4 += d4
+                                lo, cnt_lo, hi, cnt_hi = narrow4(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2, m3, c3, m4, c4)
+                        t = lo.to(tl.int32)
+                        need = k - cnt_hi  # keys equal to T to take (count(key > T) = cnt_hi)
+                        n_out = tl.full((), 0, tl.int32)
+                        n_eq = tl.full((), 0, tl.int32)
+                        for c0 in range(0, nc, CAPG):
+                            ok = c0 + cg < nc
+                            gid = tl.load(cbase + c0 + cg, mask=ok, other=0)
+                            key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
+                            key = tl.where(ok[:, None], key, MINK)
+                            eq = (key == t).to(tl.int32)
+                            sel = (key > t) | ((eq == 1) & (n_eq + positions(eq) <= need))
+                            si = sel.to(tl.int32)
+                            tl.store(orow + n_out + positions(si) - 1, (pbase + cols).to(tl.int32), mask=sel)
+                            n_out += tl.sum(si)
+                            n_eq += tl.sum(eq)
+        elif PHASES >= 4:
+            # at most k visible cells: all of them, in column order
+            n_out = tl.full((), 0, tl.int32)
+            for t0 in range(a0, e, TILE):
+                g0 = t0 + tb * G
+                key, cols = load_keys(srow, g0, tg, g0 < e, a, e)
+                si = (key > MINK).to(tl.int32)
+                tl.store(orow + n_out + positions(si) - 1, (pbase + cols).to(tl.int32), mask=si == 1)
+                n_out += tl.sum(si)
         tl.store(orow + kofs, tl.full((KP,), -1, tl.int32), mask=(kofs >= nsel) & (kofs < k))
 
 
@@ -247,11 +365,23 @@ def expand_kernel(P, stride_p, pts_ptr, rows_ptr, tail_ptr, Out, stride_o, k, to
 
 
 
-def _programs(device: torch.device, rows: int) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(rows, 2 * sms))
-    return max(1, min(rows, 4))
+#: What the last :func:`topk_ascending` launch used (registers, spills, programs per SM,
+#: constants), for the benchmarks.
+last_launch: dict = {}
+_occupancy: dict = {}
+
+
+def _resident(kernel, num_warps: int) -> int:
+    """Programs of ``kernel`` one SM holds at once (registers and warps; shared memory is
+    small here)."""
+    try:
+        kernel._init_handles()
+        regs = max(int(kernel.n_regs), 1)
+    except Exception:  # noqa: BLE001 - the interpreter or an older Triton: no register count
+        return 1
+    threads = 32 * num_warps
+    by_regs = 65536 // (-(-regs // 8) * 8 * threads)  # registers are allocated per warp in 256s
+    return max(1, min(by_regs, 2048 // threads, 32))
 
 
 def topk_ascending(
@@ -261,10 +391,12 @@ def topk_ascending(
     base: torch.Tensor,
     k: int,
     *,
-    tile: int = 8192,
-    num_warps: int = 16,
+    tile: int | None = None,
+    num_warps: int | None = None,
     programs: int | None = None,
     capg: int | None = None,
+    ways: int = 3,
+    maxnreg: int | None = None,
     phases: int = 4,
 ) -> torch.Tensor:
     """The exact Top-K of each row, in ascending column order.
@@ -276,10 +408,16 @@ def topk_ascending(
         base: ``[R]`` int64, global pool id of column 0 of each row.
         k: pools to select (``1 <= k <= MAX_K``).
         tile, num_warps, programs: launch configuration (columns per step, warps per
-            program, programs of the persistent grid; default 2 per SM: the fastest of
-            the configurations timed on an H200 by ``scripts/bench_select.py``).
-        capg: capacity in candidate groups (a power of two >= k; default ``2k``); rows
-            with more take the slow exact path (tests use a small one).
+            program, programs of the persistent grid). Defaults: ``num_warps`` so that the
+            candidate block is 16 cells per thread (4 to 16), ``tile`` 512 columns per warp,
+            and as many programs as the GPU holds at once (from the compiled kernel's
+            register count), at most one per row.
+        capg: capacity in candidate groups (a power of two >= k; default the power of two
+            ``>= k``); rows with more take the slow exact path (tests use a small one).
+        ways: thresholds counted per block reduction of the searches, plus one (2, 3 or 5).
+        maxnreg: register cap per thread passed to the compiler (more programs per SM,
+            some spilling); default 80 for up to 8 warps, else the compiler's choice; ``0``:
+            the compiler's choice.
         phases: ``< 4`` stops after that phase, for timing the phases (wrong output).
 
     Returns:
@@ -291,6 +429,8 @@ def topk_ascending(
         raise ValueError(f"scores: expected a 2-D float32 tensor, got {tuple(scores.shape)} {scores.dtype}")
     if not 1 <= k <= MAX_K:
         raise ValueError(f"k: expected 1 <= k <= {MAX_K}, got {k}")
+    if ways not in (2, 3, 5):
+        raise ValueError(f"ways: expected 2, 3 or 5, got {ways}")
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     R, W = scores.shape
@@ -298,24 +438,55 @@ def topk_ascending(
     out = torch.empty((R, k), dtype=torch.int32, device=dev)
     if R == 0:
         return out
-    tile, group, ng, capg = _sizes(W, k, tile, capg)
+    capg_req = capg
+    warps = num_warps or _default_warps(W, k)
+    tile, group, ng, capg = _sizes(W, k, tile or 512 * warps, capg)
     if capg < k:
-        raise ValueError(f"capg: expected at least k = {k}, got {capg}")
+        raise ValueError(f"capg: expected at least k = {k}, got {capg_req}")
     if capg * group > _MAX_BLOCK:
         raise ValueError(
             f"scores: rows of {W} columns with k = {k} need {capg} x {group} candidate cells, "
             f"more than {_MAX_BLOCK} (see supports())"
         )
-    progs = programs or _programs(dev, R)
-    gmax = torch.empty((progs, ng), dtype=torch.int32, device=dev)
-    cand = torch.empty((progs, capg), dtype=torch.int32, device=dev)
-    select_kernel[(progs,)](
-        scores, scores.stride(0), starts.to(device=dev, dtype=torch.int32).contiguous(),
-        ends.to(device=dev, dtype=torch.int32).contiguous(), base.to(device=dev, dtype=torch.int64).contiguous(),
-        out, out.stride(0), gmax, cand, R, k, progs,
-        TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), PHASES=phases, num_warps=num_warps,
-    )  # fmt: skip
+    consts = dict(TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), PHASES=phases, WAYS=ways, num_warps=warps)
+    maxnreg = _DEFAULT_MAXNREG if maxnreg is None and warps <= 8 else maxnreg
+    if maxnreg:
+        consts["maxnreg"] = maxnreg
+    starts = starts.to(device=dev, dtype=torch.int32).clamp(min=0).contiguous()
+    ends = ends.to(device=dev, dtype=torch.int32).contiguous()
+    base = base.to(device=dev, dtype=torch.int64).contiguous()
+    # whole groups are read: the last row's last group may end up to group - 1 columns past
+    # W; where that is past the storage, that row runs alone from a padded copy
+    reach = scores.storage_offset() + (R - 1) * scores.stride(0) + -(-W // group) * group
+    cut = R - 1 if reach * scores.element_size() > scores.untyped_storage().nbytes() else R
+    if cut > 0:
+        _launch(scores[:cut], starts[:cut], ends[:cut], base[:cut], out[:cut], consts, programs)
+    if cut < R:
+        last = torch.nn.functional.pad(scores[cut:], (0, -W % group), value=-float("inf"))
+        _launch(last, starts[cut:], ends[cut:], base[cut:], out[cut:], consts, 1)
     return out
+
+
+def _launch(scores, starts, ends, base, out, consts, programs):
+    R, k = out.shape
+    dev = scores.device
+    args = [scores, scores.stride(0), starts, ends, base, out, out.stride(0)]
+    if dev.type == "cuda":
+        key = (dev.index, tuple(sorted(consts.items())))
+        if key not in _occupancy:  # compile once per configuration (warmup costs host time)
+            compiled = select_kernel.warmup(*args, out, out, R, k, 1, grid=(1,), **consts)
+            per_sm = _resident(compiled, consts["num_warps"])  # loads the binary: register counts known after
+            _occupancy[key] = dict(regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
+                                   per_sm=per_sm, sms=torch.cuda.get_device_properties(dev).multi_processor_count)  # fmt: skip
+        occ = _occupancy[key]
+        last_launch.update(occ)
+        if programs is None:
+            programs = occ["sms"] * occ["per_sm"]
+    progs = max(1, min(R, programs or 4))
+    last_launch.update(programs=progs, **{n: consts[n] for n in ("TILE", "G", "NG", "CAPG", "WAYS", "num_warps")})
+    gmax = torch.empty((progs, consts["NG"]), dtype=torch.int32, device=dev)
+    cand = torch.empty((progs, consts["NG"]), dtype=torch.int32, device=dev)
+    select_kernel[(progs,)](*args, gmax, cand, R, k, progs, **consts)
 
 
 def expand_pools(

@@ -83,11 +83,13 @@ def test_bad_arguments():
         ts.topk_ascending(s, base, base + 8, base, 0)
     with pytest.raises(ValueError, match="scores: expected"):
         ts.topk_ascending(s.double(), base, base + 8, base, 2)
-    wide = torch.zeros(1, 70000)
+    with pytest.raises(ValueError, match="ways: expected"):
+        ts.topk_ascending(s, base, base + 8, base, 2, ways=4)
+    wide = torch.zeros(1, 140000)
     one = torch.zeros(1, dtype=torch.int64)
-    assert not ts.supports(70000, 2048)
+    assert ts.supports(70000, 2048) and not ts.supports(140000, 2048)
     with pytest.raises(ValueError, match="candidate cells"):
-        ts.topk_ascending(wide, one, one + 70000, one, 2048)
+        ts.topk_ascending(wide, one, one + 140000, one, 2048)
 
 
 def test_nan_is_never_selected():
@@ -145,3 +147,37 @@ def test_rank_by_score_gives_score_order():
     want, ok = topk_pools(s, in_range(s, starts, ends), k, 0)
     want = torch.where(ok, want + base[:, None], -1)
     assert torch.equal(_rank_by_score(s, asc, base[:, None]), want)
+
+
+@pytest.mark.parametrize("ways,warps", [(3, 4), (5, 8)])
+def test_multiway_searches(ways, warps):
+    # 3- and 5-way searches (two / four thresholds per reduction), also on exact ties
+    g = torch.Generator().manual_seed(8)
+    s = torch.randn(4, 2000, generator=g)
+    s[1] = torch.randint(-2, 3, (2000,), generator=g).float()
+    s[2, 1000:] = 5.0
+    starts, ends = torch.tensor([0, 3, 0, 11]), torch.tensor([2000, 1999, 2000, 700])
+    run(s, starts, ends, 100, ways=ways, num_warps=warps)
+    run(s, starts, ends, 1, ways=ways, num_warps=warps)
+
+
+def test_odd_width_last_row_and_strided_rows():
+    # whole groups are read: the last row of a contiguous odd-width tensor runs from a
+    # padded copy; rows of a wider tensor (a view) read into their own padding columns
+    g = torch.Generator().manual_seed(9)
+    s = torch.randn(3, 1001, generator=g)
+    starts, ends = torch.tensor([0, 2, 995]), torch.tensor([1001, 1001, 1001])
+    run(s, starts, ends, 40)
+    wide = torch.randn(3, 1030, generator=g)
+    run(wide[:, :1001], starts, ends, 40)
+
+
+def test_streamed_candidate_groups():
+    # more candidate groups than capg (equal group maxima): the search streams them in
+    # blocks of capg, and the tied answer spans several blocks
+    g = torch.Generator().manual_seed(10)
+    s = torch.randint(-3, 4, (3, 3000), generator=g).float()
+    s[2, 1500:] = 2.5  # distinct values above the ties in a later block
+    starts, ends = torch.tensor([0, 9, 0]), torch.tensor([3000, 2900, 3000])
+    run(s, starts, ends, 200, capg=256)
+    run(s, starts, ends, 200, capg=256, ways=3, num_warps=4)
