@@ -412,8 +412,9 @@ def topk_ascending(
             candidate block is 16 cells per thread (4 to 16), ``tile`` 512 columns per warp,
             and as many programs as the GPU holds at once (from the compiled kernel's
             register count), at most one per row.
-        capg: capacity in candidate groups (a power of two >= k; default the power of two
-            ``>= k``); rows with more take the slow exact path (tests use a small one).
+        capg: capacity in candidate groups held in registers (a power of two >= k; default
+            the power of two ``>= k``); rows with more candidate groups stream them in blocks
+            of ``capg`` (tests use a small one to reach that path).
         ways: thresholds counted per block reduction of the searches, plus one (2, 3 or 5).
         maxnreg: register cap per thread passed to the compiler (more programs per SM,
             some spilling); default 80 for up to 8 warps, else the compiler's choice; ``0``:

@@ -71,6 +71,27 @@ def test_assemble_layouts(tail):
     assert out[0].tolist() == want
     out = assemble(torch.tensor([[1, 0]]), meta, starts, topk=12, kpool=4, tail=tail, order="score", alignment=8)
     assert out[0, :8].tolist() == [4, 5, 6, 7, 0, 1, 2, 3]
+    # into a given destination (the driver's output rows): overwritten whole, same values
+    dest = torch.full((1, 16), 77, dtype=torch.int32)
+    got = assemble(torch.tensor([[1, 0]]), meta, starts, topk=12, kpool=4, tail=tail, order="score", alignment=8, out=dest)
+    assert got.data_ptr() == dest.data_ptr() and torch.equal(dest, out)
+    with pytest.raises(ValueError, match="out: expected an int32 tensor of shape"):
+        assemble(torch.tensor([[1, 0]]), meta, starts, topk=12, kpool=4, tail=tail, order="score", alignment=8,
+                 out=torch.zeros(1, 15, dtype=torch.int32))
+
+
+def test_pool_table_against_a_loop():
+    # packed documents, empty and shorter-than-K ones included
+    cu = torch.tensor([0, 0, 3, 11, 12, 29, 29, 45])
+    for kpool in (1, 4, 5):
+        starts, offs = pool_table(cu, kpool)
+        want, want_offs = [], [0]
+        for d in range(len(cu) - 1):
+            n = int(cu[d + 1] - cu[d]) // kpool
+            want += [int(cu[d]) + kpool * i for i in range(n)]
+            want_offs.append(want_offs[-1] + n)
+        assert starts.dtype == torch.int64 and starts.tolist() == want
+        assert offs.tolist() == want_offs
 
 
 def test_pool_compression_matches_explicit_softmax():
