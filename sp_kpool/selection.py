@@ -260,6 +260,14 @@ def _triton_select(k: int, width: int):
     return topk_ascending if supports(width, k) else None
 
 
+def reads_row_ranges_only(k: int, width: int, order: str) -> bool:
+    """Whether :func:`select_pools` on CUDA selects ``k`` of ``width`` columns with the
+    Triton selector, which reads only ``[start, end)`` of each row: scorers may then leave
+    the other cells unwritten (no ``-inf`` pass). The one place that decides it, for the
+    selector and the scorers alike."""
+    return order != "serving" and _triton_select(k, width) is not None
+
+
 def _ascending(pools: torch.Tensor) -> torch.Tensor:
     """``pools`` (``-1`` unused) sorted ascending, the ``-1`` last."""
     big = torch.iinfo(pools.dtype).max
@@ -303,8 +311,8 @@ def select_pools(
     if scores.device.type == "cuda":
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))
-        fast = _triton_select(k, n)
-        if fast is not None:
+        if reads_row_ranges_only(k, n, order):
+            fast = _triton_select(k, n)
             dev = scores.device
             base = col0.reshape(R) if isinstance(col0, torch.Tensor) else torch.full((R,), int(col0), device=dev)
             lo = starts if starts is not None else torch.zeros(R, dtype=torch.int32, device=dev)

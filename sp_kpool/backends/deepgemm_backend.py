@@ -22,7 +22,7 @@ import torch
 
 from .._probe import cuda_reason, probe
 from ..logits_budget import logits_bytes, logits_chunk_rows
-from ..selection import _triton_select
+from ..selection import reads_row_ranges_only
 from .base import Backend, Problem, round_rows
 
 __all__ = ["DeepGemmBackend", "mqa_api"]
@@ -142,7 +142,7 @@ class DeepGemmBackend(Backend):
         ks, ke = starts + shift, ends + shift
         # -inf outside the row ranges only where a reader needs it: the Triton selector reads
         # [start, end) of each row itself; the serving selector and the fallbacks read more
-        clean = problem.order == "serving" or _triton_select(problem.topk // problem.kpool, n) is None
+        clean = not reads_row_ranges_only(problem.topk // problem.kpool, n, problem.order)
         if layout == "legacy":
             logits = fn(q8, kv, wq, ks, ke, clean_logits=clean)
             width = n

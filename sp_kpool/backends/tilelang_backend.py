@@ -15,7 +15,7 @@ import torch
 from .. import serving
 from .._probe import cuda_reason, probe
 from ..pooling import compress_pools_bf16
-from ..selection import _triton_select
+from ..selection import reads_row_ranges_only
 from .base import Backend, Problem
 
 __all__ = ["TileLangBackend"]
@@ -71,5 +71,5 @@ class TileLangBackend(Backend):
         H, D = problem.heads, problem.head_dim
         wq = w.float() * (H**-0.5 * D**-0.5)
         # the -inf fill of the whole chunk only where a reader needs it (see masks_scores)
-        clean = problem.order == "serving" or _triton_select(problem.topk // problem.kpool, hi - lo) is None
+        clean = not reads_row_ranges_only(problem.topk // problem.kpool, hi - lo, problem.order)
         return tilelang_scores(q, wq, pooled[lo:hi], starts, ends, clean=clean)

@@ -12,7 +12,7 @@ scratch area in global memory, which stays in L2):
    ``-inf`` or NaN get ``INT32_MIN`` (invisible). One pass over the row stores the maxima
    of groups of ``G`` aligned adjacent columns (``G`` = 8 up to 65536 columns, then 16, 32,
    ...) and counts the visible cells. Whole groups are read with vector loads (the
-   launcher runs a row whose last group would end past the tensor's storage from a padded
+   launcher runs rows whose last group would end past the tensor's storage from a padded
    copy); tiles inside ``[start, end)`` take a path without masks that converts only the
    group maxima to keys.
 2. ``L``: a value with at least ``k`` and at most ``capg`` (default: the power of two
@@ -24,7 +24,7 @@ scratch area in global memory, which stays in L2):
    exactly ``k`` keys are at or above it; then the keys above ``T`` and the first keys
    equal to ``T`` in column order, written in column order. Up to ``capg`` groups the
    cells sit in registers; more groups (long runs of exactly equal scores) are streamed
-   in blocks of ``capg`` groups for every step of the search and for the output.
+   in blocks of at least 256 groups for every step of the search and for the output.
 
 The searches count two thresholds per block reduction by default (``ways=3``): on an H200
 a row's time is bound by the number of dependent block reductions (barriers) as much as by
@@ -87,12 +87,13 @@ def _default_warps(W: int, k: int) -> int:
 def supports(width: int, k: int) -> bool:
     """Whether :func:`topk_ascending` handles rows of ``width`` columns and this ``k`` (at
     the default launch): ``1 <= k <= MAX_K`` and ``capg`` (the power of two ``>= k``)
-    candidate groups of ``G`` columns within a block of 32768 cells (``k`` 512: up to 524288
-    columns; ``k`` 2048: up to 131072). Checked on an H200 up to 70000 columns."""
+    candidate groups of ``G`` columns within a block of 32768 cells, and at most 8192 groups
+    per row (``k`` 512: up to 524288 columns; ``k`` 2048: up to 131072). Checked on an H200
+    up to 70000 columns."""
     if not 1 <= k <= MAX_K:
         return False
-    _, group, _, capg = _sizes(width, k, 512 * _default_warps(width, k), None)
-    return capg * group <= _MAX_BLOCK
+    _, group, ng, capg = _sizes(width, k, 512 * _default_warps(width, k), None)
+    return capg * group <= _MAX_BLOCK and ng <= _MAX_GROUPS
 
 
 @triton.jit
@@ -213,7 +214,7 @@ def positions(f):
 @triton.jit
 def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gmax, Cand, R, k, nprog,
                   TILE: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, CAPG: tl.constexpr, KP: tl.constexpr,
-                  PHASES: tl.constexpr, WAYS: tl.constexpr):
+                  PHASES: tl.constexpr, WAYS: tl.constexpr, SB: tl.constexpr):
     # PHASES < 4 stops after that phase (timing of the phases only; the output is wrong)
     MINK: tl.constexpr = -2147483648
     NB: tl.constexpr = TILE // G
@@ -230,6 +231,7 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
         tg = tl.arange(0, G) + z
         gb = tl.arange(0, NG // G) + z
         cg = tl.arange(0, CAPG) + z
+        sg = tl.arange(0, SB) + z
         kofs = tl.arange(0, KP) + z
         e = tl.load(ends_ptr + row)
         pbase = tl.load(base_ptr + row)
@@ -288,7 +290,7 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                         tl.store(orow + positions(sel.to(tl.int32)) - 1, (pbase + cols).to(tl.int32), mask=sel)
                     else:
                         # 4'. more than CAPG groups (long runs of equal scores): the same
-                        # search, streaming the groups in blocks of CAPG (from L2)
+                        # search, streaming the groups in blocks of SB >= CAPG (from L2)
                         lo = low.to(tl.int64)
                         hi = tl.max(gm).to(tl.int64) + 1
                         cnt_lo = k + 1  # count(key >= low) > k is all the loop needs
@@ -300,9 +302,9 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                                 c2 = tl.full((), 0, tl.int32)
                                 c3 = tl.full((), 0, tl.int32)
                                 c4 = tl.full((), 0, tl.int32)
-                                for c0 in range(0, nc, CAPG):
-                                    ok = c0 + cg < nc
-                                    gid = tl.load(cbase + c0 + cg, mask=ok, other=0)
+                                for c0 in range(0, nc, SB):
+                                    ok = c0 + sg < nc
+                                    gid = tl.load(cbase + c0 + sg, mask=ok, other=0)
                                     key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
                                     key = tl.where(ok[:, None], key, MINK)
                                     d1, d2, d3, d4 = count_ge4(key, m1, m2, m3, m4)
@@ -315,9 +317,9 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                         need = k - cnt_hi  # keys equal to T to take (count(key > T) = cnt_hi)
                         n_out = tl.full((), 0, tl.int32)
                         n_eq = tl.full((), 0, tl.int32)
-                        for c0 in range(0, nc, CAPG):
-                            ok = c0 + cg < nc
-                            gid = tl.load(cbase + c0 + cg, mask=ok, other=0)
+                        for c0 in range(0, nc, SB):
+                            ok = c0 + sg < nc
+                            gid = tl.load(cbase + c0 + sg, mask=ok, other=0)
                             key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
                             key = tl.where(ok[:, None], key, MINK)
                             eq = (key == t).to(tl.int32)
@@ -414,7 +416,7 @@ def topk_ascending(
             register count), at most one per row.
         capg: capacity in candidate groups held in registers (a power of two >= k; default
             the power of two ``>= k``); rows with more candidate groups stream them in blocks
-            of ``capg`` (tests use a small one to reach that path).
+            of at least 256 groups (tests use a small ``capg`` to reach that path).
         ways: thresholds counted per block reduction of the searches, plus one (2, 3 or 5).
         maxnreg: register cap per thread passed to the compiler (more programs per SM,
             some spilling); default 80 for up to 8 warps, else the compiler's choice; ``0``:
@@ -449,23 +451,41 @@ def topk_ascending(
             f"scores: rows of {W} columns with k = {k} need {capg} x {group} candidate cells, "
             f"more than {_MAX_BLOCK} (see supports())"
         )
-    consts = dict(TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), PHASES=phases, WAYS=ways, num_warps=warps)
+    if ng > _MAX_GROUPS:  # the searches count in 16-bit fields; phase 2 holds the maxima in registers
+        raise ValueError(
+            f"scores: rows of {W} columns make {ng} groups of {group} columns (tile {tile}), more than "
+            f"{_MAX_GROUPS} (see supports())"
+        )
+    # streamed candidate blocks: at least 256 groups (small k would make tiny blocks), within the block limit
+    sb = max(capg, min(256, _MAX_BLOCK // group))
+    consts = dict(TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), PHASES=phases, WAYS=ways, SB=sb,
+                  num_warps=warps)  # fmt: skip
     maxnreg = _DEFAULT_MAXNREG if maxnreg is None and warps <= 8 else maxnreg
     if maxnreg:
         consts["maxnreg"] = maxnreg
     starts = starts.to(device=dev, dtype=torch.int32).clamp(min=0).contiguous()
     ends = ends.to(device=dev, dtype=torch.int32).contiguous()
     base = base.to(device=dev, dtype=torch.int64).contiguous()
-    # whole groups are read: the last row's last group may end up to group - 1 columns past
-    # W; where that is past the storage, that row runs alone from a padded copy
-    reach = scores.storage_offset() + (R - 1) * scores.stride(0) + -(-W // group) * group
-    cut = R - 1 if reach * scores.element_size() > scores.untyped_storage().nbytes() else R
+    cut = _rows_in_storage(scores, -(-W // group) * group)
     if cut > 0:
         _launch(scores[:cut], starts[:cut], ends[:cut], base[:cut], out[:cut], consts, programs)
-    if cut < R:
-        last = torch.nn.functional.pad(scores[cut:], (0, -W % group), value=-float("inf"))
-        _launch(last, starts[cut:], ends[cut:], base[cut:], out[cut:], consts, 1)
+    if cut < R:  # rows whose last group would be read past the storage: from a padded copy
+        rest = torch.nn.functional.pad(scores[cut:], (0, -W % group), value=-float("inf"))
+        _launch(rest, starts[cut:], ends[cut:], base[cut:], out[cut:], consts, programs)
     return out
+
+
+def _rows_in_storage(scores: torch.Tensor, span: int) -> int:
+    """How many leading rows of ``scores`` can be read for ``span`` columns (whole groups,
+    up to ``group - 1`` past the row's width) within the tensor's storage."""
+    R = scores.shape[0]
+    avail = scores.untyped_storage().nbytes() // scores.element_size() - scores.storage_offset()
+    if span > avail:
+        return 0
+    stride = scores.stride(0)
+    if stride == 0:  # every row is the same memory
+        return R
+    return min(R, (avail - span) // stride + 1)
 
 
 def _launch(scores, starts, ends, base, out, consts, programs):
@@ -484,7 +504,7 @@ def _launch(scores, starts, ends, base, out, consts, programs):
         if programs is None:
             programs = occ["sms"] * occ["per_sm"]
     progs = max(1, min(R, programs or 4))
-    last_launch.update(programs=progs, **{n: consts[n] for n in ("TILE", "G", "NG", "CAPG", "WAYS", "num_warps")})
+    last_launch.update(programs=progs, **{n: consts[n] for n in ("TILE", "G", "NG", "CAPG", "SB", "WAYS", "num_warps")})
     gmax = torch.empty((progs, consts["NG"]), dtype=torch.int32, device=dev)
     cand = torch.empty((progs, consts["NG"]), dtype=torch.int32, device=dev)
     select_kernel[(progs,)](*args, gmax, cand, R, k, progs, **consts)

@@ -181,3 +181,35 @@ def test_streamed_candidate_groups():
     starts, ends = torch.tensor([0, 9, 0]), torch.tensor([3000, 2900, 3000])
     run(s, starts, ends, 200, capg=256)
     run(s, starts, ends, 200, capg=256, ways=3, num_warps=4)
+
+
+def test_tiny_widths_and_broadcast_rows_stay_in_storage():
+    # whole groups of 8 are read: rows of a contiguous tensor narrower than a group, and
+    # rows that share memory (stride 0), run from a padded copy where they would read past
+    # the storage (the results are checked here, the row rule on the host)
+    g = torch.Generator().manual_seed(11)
+    for W, in_storage in ((1, 0), (3, 3)):  # 5 x 3: rows 0-2 reach at most 6 + 8 <= 15 cells
+        s = torch.randn(5, W, generator=g)
+        assert ts._rows_in_storage(s, 8) == in_storage
+        run(s, torch.zeros(5, dtype=torch.int64), torch.full((5,), W), 1)
+    row = torch.randn(1, 20, generator=g)
+    assert ts._rows_in_storage(row.expand(3, 20), 24) == 0
+    assert ts._rows_in_storage(row[:, :16].expand(3, 16), 16) == 3
+    run(row.expand(3, 20), torch.zeros(3, dtype=torch.int64), torch.full((3,), 20), 4)
+
+
+def test_group_count_limit():
+    # at most 8192 groups per row: the searches count in 16-bit fields
+    assert not ts.supports(16777216, 2) and ts.supports(2 * 10**6, 2)
+    s = torch.zeros(1, 524288)
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="groups of 8 columns"):
+        ts.topk_ascending(s, one, one + 524288, one, 2, tile=64)
+
+
+def test_streamed_blocks_with_small_k():
+    # a long tied row with k = 1 streams its candidate groups in blocks of >= 256 groups
+    s = torch.full((2, 6000), 2.0)
+    s[1, 4321] = 3.0
+    run(s, torch.tensor([0, 5]), torch.tensor([6000, 6000]), 1)
+    run(s, torch.tensor([0, 5]), torch.tensor([6000, 6000]), 3)
