@@ -37,6 +37,13 @@ def log(msg):
     print(msg, flush=True)
 
 
+def save(res, out_dir, name):
+    """Write ``res`` as ``out_dir/name`` (indented JSON)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def bench(fn, reps=10, warmup=3):
     """Median milliseconds of ``fn()`` (CUDA events)."""
     for _ in range(warmup):
@@ -83,7 +90,6 @@ def staged(name, p, reps=5):
     be = BACKENDS[name]
     be.run(p)  # warm-up (JIT)
     torch.cuda.synchronize()
-    totals = []
     stages: dict = {}
     for _ in range(reps):
         pt = dataclasses.replace(p, stage_times={})
@@ -208,9 +214,7 @@ def main():
             res["runs"].append(row)
             log(json.dumps(row))
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    save(res, args.out, "bench_kernels.json")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from sp_kpool.selection import _ascending, topk_pools  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import bench as _bench  # noqa: E402
-from bench_kernels import log  # noqa: E402
+from bench_kernels import log, save  # noqa: E402
 
 
 def bench(fn):
@@ -121,9 +121,7 @@ def main():
         log(json.dumps(row))
         del s, ref
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_select.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    save(res, args.out, "bench_select.json")
 
 
 if __name__ == "__main__":

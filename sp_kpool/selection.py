@@ -312,7 +312,7 @@ def select_pools(
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))
         if reads_row_ranges_only(k, n, order):
-            fast = _triton_select(k, n)
+            from .kernels.triton_select import topk_ascending as fast
             dev = scores.device
             base = col0.reshape(R) if isinstance(col0, torch.Tensor) else torch.full((R,), int(col0), device=dev)
             lo = starts if starts is not None else torch.zeros(R, dtype=torch.int32, device=dev)

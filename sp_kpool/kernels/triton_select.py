@@ -117,6 +117,16 @@ def load_keys(srow, g0, tg, gok, a, e):
 
 
 @triton.jit
+def candidate_keys(cbase, c0, idx, nc, srow, a0, tg, a, e, G: tl.constexpr):
+    """Keys and columns of the candidate groups ``c0 + idx`` (their ids are at ``cbase``;
+    ``nc`` of them exist), ``INT32_MIN`` past the last."""
+    ok = c0 + idx < nc
+    gid = tl.load(cbase + c0 + idx, mask=ok, other=0)
+    key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
+    return tl.where(ok[:, None], key, -2147483648), cols
+
+
+@triton.jit
 def count_ge4(vals, m1, m2, m3, m4):
     """``count(vals >= m_j)`` for four thresholds in one reduction (16-bit fields of an
     int64 sum; the caller's blocks hold at most 32768 values)."""
@@ -278,10 +288,7 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                     if nc <= CAPG:
                         # 4. their keys in registers: T, then the keys above T and the first
                         # keys equal to T (ties toward the lower column), in column order
-                        ok = cg < nc
-                        gid = tl.load(cbase + cg, mask=ok, other=0)
-                        key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
-                        key = tl.where(ok[:, None], key, MINK)
+                        key, cols = candidate_keys(cbase, 0, cg, nc, srow, a0, tg, a, e, G)
                         t, n_ge, n_gt = kth_largest(key, k, low, k, WAYS)
                         sel = key >= t
                         if n_ge > k:  # ties at T
@@ -303,10 +310,7 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                                 c3 = tl.full((), 0, tl.int32)
                                 c4 = tl.full((), 0, tl.int32)
                                 for c0 in range(0, nc, SB):
-                                    ok = c0 + sg < nc
-                                    gid = tl.load(cbase + c0 + sg, mask=ok, other=0)
-                                    key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
-                                    key = tl.where(ok[:, None], key, MINK)
+                                    key, cols = candidate_keys(cbase, c0, sg, nc, srow, a0, tg, a, e, G)
                                     d1, d2, d3, d4 = count_ge4(key, m1, m2, m3, m4)
                                     c1 += d1
                                     c2 += d2
@@ -318,10 +322,7 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                         n_out = tl.full((), 0, tl.int32)
                         n_eq = tl.full((), 0, tl.int32)
                         for c0 in range(0, nc, SB):
-                            ok = c0 + sg < nc
-                            gid = tl.load(cbase + c0 + sg, mask=ok, other=0)
-                            key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
-                            key = tl.where(ok[:, None], key, MINK)
+                            key, cols = candidate_keys(cbase, c0, sg, nc, srow, a0, tg, a, e, G)
                             eq = (key == t).to(tl.int32)
                             sel = (key > t) | ((eq == 1) & (n_eq + positions(eq) <= need))
                             si = sel.to(tl.int32)
