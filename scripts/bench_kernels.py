@@ -98,7 +98,67 @@ def staged(name, p, reps=5):
             stages.setdefault(k, []).append(v * 1e3)
     whole = bench(lambda: be.run(p), reps=reps, warmup=1)
     med = {k: sorted(v)[len(v) // 2] for k, v in stages.items()}
+    med["whole_host_ahead"] = bench_host_ahead(lambda: be.run(p), reps=reps)
+    med["host_call_while_device_busy"] = HOST_CALL_MS[-1]
     return whole, med
+
+
+def bench_host_ahead(fn, reps=5):
+    """Median milliseconds of ``fn()`` on the device when the host is ahead of it, as in a
+    model's forward pass where earlier layers still run: a ~10 ms device sleep is queued
+    before the start event, so the call's host work before its first kernel overlaps it."""
+    fn()
+    torch.cuda.synchronize()
+    times, host = [], []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000_000)
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    host.sort()
+    # host time of the call while the device is busy: close to the sleep or longer means
+    # the host waited for the device somewhere in the call
+    HOST_CALL_MS.append(host[len(host) // 2])
+    return times[len(times) // 2]
+
+
+HOST_CALL_MS: list = []
+
+
+def deepgemm_chunked(p, fn, q8, wq, kv, s, e):
+    """DeepGEMM alone, as the driver calls it: the same chunk grid, zero-padded partial
+    chunks, the same kv slices (inputs built outside the timing), ``clean_logits=False``."""
+    from sp_kpool.backends.base import stage_tables
+
+    be = BACKENDS["deepgemm"]
+    seq = p.seq
+    lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
+    st = stage_tables(be, p, lo_row, hi_row)
+    calls = []
+    for g0, g1, lo, hi in st.grid:
+        a, b = max(g0, lo_row), min(g1, hi_row)
+        qc = q8.new_zeros((st.C,) + tuple(q8.shape[1:]))
+        wc = wq.new_zeros((st.C, wq.shape[1]))
+        qc[a - g0 : b - g0] = q8[a - lo_row : b - lo_row]
+        wc[a - g0 : b - g0] = wq[a - lo_row : b - lo_row]
+        ks = torch.zeros(st.C, dtype=torch.int32, device="cuda")
+        ke = torch.zeros(st.C, dtype=torch.int32, device="cuda")
+        shift = lo % 4
+        ks[a - g0 : b - g0] = (s[a - lo_row : b - lo_row] - lo + shift).clamp(min=shift)
+        ke[a - g0 : b - g0] = e[a - lo_row : b - lo_row] - lo + shift
+        calls.append((qc, (kv[0][lo - shift : hi], kv[1][lo - shift : hi]), wc, ks, ke))
+
+    def run():
+        for c in calls:
+            fn(*c, clean_logits=False)
+
+    return bench(run, reps=5)
 
 
 def tune(args):
@@ -134,6 +194,7 @@ def main():
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=0, help="max_logits_bytes for the GPU backends (0: the library default)")
     ap.add_argument("--torch-baseline", action="store_true", help="also time the torch backend end to end (slow)")
+    ap.add_argument("--arms", default="bf16,fp8", help="which of bf16 (tilelang) and fp8 (deepgemm) to run")
     ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads[:bq[:clean]],...' to time first")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -151,6 +212,8 @@ def main():
         res["tune"] = tune(args)
     for H in [int(h) for h in args.heads.split(",")]:
         for precision, name in (("bf16", "tilelang"), ("fp8", "deepgemm")):
+            if precision not in args.arms.split(","):
+                continue
             p = rank_slice_problem(args.total, 4, 3, heads=H, head_dim=128, topk=2048, precision=precision,
                                    max_logits_bytes=args.budget or default_max_logits_bytes("cuda"), seed=H)  # fmt: skip
             pairs = causal_pairs(p)
@@ -185,6 +248,10 @@ def main():
                 ms = bench(lambda: fn(q8, (k8, ks), wq, s, e, clean_logits=False), reps=10)
                 row["deepgemm_alone_noclean_ms"] = ms
                 row["whole_over_deepgemm_alone_noclean"] = row["whole_ms"] / ms
+                row["deepgemm_chunked_noclean_ms"] = deepgemm_chunked(p, fn, q8, wq, (k8, ks), s, e)
+                # the query preparation alone (all rows once): the register kernel and the generic one
+                row["queries_fp8_ms"] = bench(lambda: queries_fp8(p.q, p.head_weights), reps=10)
+                row["queries_fp8_generic_ms"] = bench(lambda: queries_fp8(p.q, p.head_weights, generic=True), reps=10)
                 logits = fn(q8, (k8, ks), wq, s, e, clean_logits=True)[:, : k8.shape[0]]
                 row["torch_topk_520_ms"] = bench(lambda: torch.topk(logits, 520, dim=-1), reps=5)
                 try:

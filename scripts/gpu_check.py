@@ -130,14 +130,18 @@ def section_serving_kernels(quick):
         rb = serving.prepare_pools_bf16_serving(k, gates, ape, starts)
         record("serving-kernels", f"bf16-serving pools S={S} D={D} K={K}", torch.equal(pb.view(torch.int16), rb.view(torch.int16)),
                differing=int((pb.view(torch.int16) != rb.view(torch.int16)).sum()))  # fmt: skip
-    for S, H, D in [(37, 16, 64), (4096, 64, 128), (1000, 32, 128)]:
+    # D 128 runs the register kernel, other D (and generic=True) the generic one
+    for S, H, D, generic in [(37, 16, 64, False), (37, 16, 128, False), (4096, 64, 128, False), (1000, 32, 128, False),
+                             (4096, 64, 128, True)]:  # fmt: skip
         g = torch.Generator(device="cuda").manual_seed(H)
         q = torch.randn(S, H, D, generator=g, device="cuda").bfloat16()
         w = torch.randn(S, H, generator=g, device="cuda").bfloat16()
-        q8, wq = queries_fp8(q, w)
+        if S == 37:  # wide dynamic range: rounding in the butterflies, tiny and huge scales
+            q = (q.float() * torch.exp2(torch.randint(-30, 30, (S, H, 1), generator=g, device="cuda").float())).bfloat16()
+        q8, wq = queries_fp8(q, w, generic=generic)
         r8, rw = serving.prepare_queries_fp8(q, w)
         ok = torch.equal(q8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(wq, rw)
-        record("serving-kernels", f"fp8 queries S={S} H={H} D={D}", ok,
+        record("serving-kernels", f"fp8 queries S={S} H={H} D={D} generic={generic}", ok,
                differing_values=int((q8.view(torch.uint8) != r8.view(torch.uint8)).sum()), differing_weights=int((wq != rw).sum()))  # fmt: skip
 
 
@@ -325,13 +329,21 @@ def section_selectors(quick):
             record("selectors", f"triton topk_ascending == exact, {N} columns, k={k}, levels={levels}", torch.equal(got, ref))
 
 
+RANK_BACKENDS: list = []
+RANK_ARMS = (("tilelang", "bf16", 64, 128), ("tilelang", "bf16-serving", 32, 128), ("deepgemm", "fp8", 64, 128),
+             ("deepgemm", "fp8", 32, 128))  # fmt: skip
+
+
 def section_ranks(quick):
     """Every rank of a 2/3/4/8-rank split (computed in this process, the gather replaced by
-    the padded global keys) equals world size 1 bit for bit, per GPU backend."""
+    the padded global keys) equals world size 1 bit for bit, per GPU backend (``--ranks-backends``
+    names the backends to run; the default runs all)."""
     from sp_kpool.sharding import ShardedSequence
 
     lengths = [3001, 1, 2, 5000, 4095]
-    for name, precision, H, D in (("tilelang", "bf16", 64, 128), ("tilelang", "bf16-serving", 32, 128), ("deepgemm", "fp8", 64, 128)):
+    for name, precision, H, D in RANK_ARMS:
+        if RANK_BACKENDS and name not in RANK_BACKENDS:
+            continue
         base = rank_slice_problem(sum(lengths), 1, 0, heads=H, head_dim=D, topk=2048, lengths=lengths,
                                   precision=precision, max_logits_bytes=64 << 20, seed=11)  # fmt: skip
         ref = BACKENDS[name].run(base)
@@ -377,7 +389,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="serving-kernels,selectors,tilelang-exact,tilelang-random,deepgemm,ranks,serving-order")
+    ap.add_argument("--ranks-backends", default="", help="backends of the ranks section (default: all)")
     args = ap.parse_args()
+    RANK_BACKENDS.extend(b for b in args.ranks_backends.split(",") if b)
     RESULTS["versions"] = versions()
     log(json.dumps(RESULTS["versions"]))
     table = {"serving-kernels": section_serving_kernels, "tilelang-exact": section_tilelang_exact,

@@ -16,6 +16,7 @@ for bit on CPU (gloo), and on an H200 for the TileLang and DeepGEMM kernels.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +24,10 @@ from typing import Any
 import torch
 
 from .._env import env_int
-from ..pooling import pool_table
 from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
 
-__all__ = ["Problem", "Backend", "stage", "round_rows", "run_chunked", "select_rows", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
+__all__ = ["Problem", "Backend", "stage", "round_rows", "run_chunked", "select_rows", "stage_tables", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
 MAX_CHUNK_ROWS = 512
@@ -165,6 +165,19 @@ class Backend:
         pool ``lo + offset[r] + c`` (``masks_scores`` must then hold)."""
         raise NotImplementedError
 
+    def prepare_queries(self, problem: Problem, q: torch.Tensor, w: torch.Tensor) -> tuple[Any, Any]:
+        """The per-row part of scoring, done once per call for all the rows a rank scores
+        (e.g. query rotation and quantization): ``(q', w')`` with rows matching ``q
+        [R, H, D]`` / ``w [R, H]``, where row ``r`` depends on row ``r`` of the inputs
+        only and an all-zero input row gives an all-zero output row. Default: ``(q, w)``."""
+        return q, w
+
+    def score_prepared(self, problem: Problem, pooled: Any, q: Any, w: Any, lo: int, hi: int,
+                       starts: torch.Tensor, ends: torch.Tensor):  # fmt: skip
+        """:meth:`score` of rows already passed through :meth:`prepare_queries` (the
+        driver's path; ``score`` itself takes raw rows). Default: ``score``."""
+        return self.score(problem, pooled, q, w, lo, hi, starts, ends)
+
     #: ``score`` writes ``-inf`` outside each row's visible range, or may leave those cells
     #: when :func:`select_pools` will select with the Triton selector and ``order`` is not
     #: ``"serving"`` (that selector reads only ``[start, end)`` of each row).
@@ -199,62 +212,125 @@ def round_rows(rows: int) -> int:
     return int(rows // 128 * 128 if rows >= 128 else max(1, rows))
 
 
+@dataclass
+class _Staged:
+    """The chunk grid of one driver call and its tables on the device (one copy)."""
+
+    C: int
+    grid: list
+    num_pools: int
+    pool_tok_start: torch.Tensor
+    cu: torch.Tensor
+    offs: torch.Tensor
+    bounds: torch.Tensor
+
+
+def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -> _Staged:
+    """The chunk grid of rows ``[lo_row, hi_row)`` (host arithmetic on the document
+    boundaries only) and the device tables: ``real_cu_seq_lens``, ``doc_pool_offset`` and
+    the pool range of each chunk ``[n_chunks, 2]`` in **one** host-to-device copy, then
+    ``pool_tok_start [P]`` built on the device (all int64, as :func:`pool_table`).
+
+    On CUDA the copy is made from pinned memory without blocking: from pageable memory the
+    host waited for every kernel queued before it (measured on the H200 host: the whole of
+    a 20 ms device sleep queued before the call), so the device ran dry while the host
+    then queued the call."""
+    seq, device, K = problem.seq, problem.device, problem.kpool
+    cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
+    offs = [0]
+    for d in range(len(cu) - 1):
+        offs.append(offs[-1] + (cu[d + 1] - cu[d]) // K)
+    P = offs[-1]
+    C = backend.chunk_rows(problem, P)
+    grid = []
+    if hi_row > lo_row:
+        def doc(r):  # document of the real row r
+            return bisect.bisect_right(cu, r) - 1
+
+        for g0 in range((lo_row // C) * C, hi_row, C):
+            g1 = min(g0 + C, seq.num_real_tokens)
+            d0, d1 = doc(g0), doc(g1 - 1)
+            grid.append((g0, g1, offs[d0], offs[d1] + (g1 - 1 - cu[d1] + 1) // K))
+    shift = [cu[d] - offs[d] * K for d in range(len(cu) - 1)]  # pool p of doc d starts at shift[d] + p * K
+    host = torch.tensor(cu + offs + shift + [v for _, _, lo, hi in grid for v in (lo, hi)], dtype=torch.int64)
+    if device.type == "cuda":
+        # torch's caching host allocator reuses a pinned block once the copies that read it
+        # are done, so the host never waits here
+        flat = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host).to(device, non_blocking=True)
+    else:
+        flat = host.to(device)
+    n = len(cu)
+    cu_d, offs_d, shift_d, bounds = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n - 1], flat[3 * n - 1 :].view(-1, 2)
+    pid = torch.arange(P, device=device)
+    pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
+    return _Staged(C, grid, P, pts, cu_d, offs_d, bounds)
+
+
 def select_rows(
     backend: Backend,
     problem: Problem,
     pooled: Any,
-    tables: tuple[torch.Tensor, torch.Tensor],
+    tables: tuple[torch.Tensor, torch.Tensor] | None,
     lo_row: int,
     hi_row: int,
     q: torch.Tensor,
     w: torch.Tensor,
+    staged: "_Staged | None" = None,
+    prepared: tuple[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Selected pools of the global rows ``[lo_row, hi_row)`` (all real rows).
 
     ``q [hi_row - lo_row, H, D]`` and ``w [hi_row - lo_row, H]`` are those rows' queries and
-    raw head weights, ``tables`` is ``pool_table(real_cu_seq_lens, kpool)``. Returns
-    ``[hi_row - lo_row, topk // kpool]`` int32 global pool ids, valid ones first, ``-1``
-    after: in score order for ``order="score"``, in the serving selector's order for
-    ``"serving"``, ascending for ``"ascending"``. Any rank computing a row gets the same set
-    (global chunk grid, see the module docstring).
+    raw head weights, ``tables`` is ``pool_table(real_cu_seq_lens, kpool)`` (CPU; may be
+    ``None`` when ``staged`` is given); ``staged``: the chunk grid and the tables on the
+    device (from :func:`stage_tables`; built here when ``None``); ``prepared``: ``backend.prepare_queries(
+    problem, q, w)`` if already made (``q`` and ``w`` are then not used). Returns ``[hi_row - lo_row, topk //
+    kpool]`` int32 global pool ids, valid ones first, ``-1`` after: in score order for
+    ``order="score"``, in the serving selector's order for ``"serving"``, ascending for
+    ``"ascending"``. Any rank computing a row gets the same set (global chunk grid, see
+    the module docstring).
+
+    The rows are prepared once (:meth:`Backend.prepare_queries`); a chunk whose rows are
+    all computed here is scored from views of them, other chunks from zero-padded copies.
+    The rows' causal ranges are computed once for all chunks, on the device.
     """
-    seq, kpool, device = problem.seq, problem.kpool, problem.device
-    real_cu = seq.real_cu_seq_lens
-    pool_tok_start, doc_pool_offset = tables
-    num_pools = pool_tok_start.numel()
+    kpool, device = problem.kpool, problem.device
+    num_pools = staged.num_pools if staged is not None else tables[0].numel()
     k_sel = problem.topk // kpool
     out = torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)
     if hi_row <= lo_row or num_pools == 0:
         return out
-    C = backend.chunk_rows(problem, num_pools)
-    num_real = seq.num_real_tokens
-    H, D = problem.heads, problem.head_dim
-    # device copies made once: a host-to-device copy inside the loop would make the host
-    # wait for the chunk's kernels before it can queue the next ones
-    real_cu_dev, offs_dev = real_cu.to(device), doc_pool_offset.to(device)
-    for g0 in range((lo_row // C) * C, hi_row, C):
-        g1 = min(g0 + C, num_real)
+    if staged is None:
+        staged = stage_tables(backend, problem, lo_row, hi_row)
+    C, grid, cu_dev, offs_dev, bounds_dev = staged.C, staged.grid, staged.cu, staged.offs, staged.bounds
+    qp, wp = prepared if prepared is not None else backend.prepare_queries(problem, q, w)
+    # each row's [start, end) relative to its chunk's pool range, laid out on the chunk grid
+    # (rows not computed here stay empty): one pass for all chunks, views per chunk
+    first = grid[0][0]
+    meta = row_meta(torch.arange(lo_row, hi_row, device=device), cu_dev, offs_dev, kpool)
+    which = (meta.rows - first) // C
+    clo, chi = bounds_dev[which, 0], bounds_dev[which, 1]
+    r_start = (meta.pool_lo - clo).clamp_(min=0)
+    r_end = torch.minimum(meta.pool_hi, chi) - clo
+    ranges = torch.zeros((2, len(grid) * C), dtype=torch.int32, device=device)
+    ranges[0, lo_row - first : hi_row - first] = r_start
+    ranges[1, lo_row - first : hi_row - first] = torch.maximum(r_start, r_end)
+    for i, (g0, g1, lo, hi) in enumerate(grid):
         a, b = max(g0, lo_row), min(g1, hi_row)  # rows of this chunk computed here
-        ends = row_meta(torch.tensor([g0, g1 - 1]), real_cu, doc_pool_offset, kpool)
-        lo, hi = int(ends.pool_lo[0]), int(ends.pool_hi[1])
         if hi <= lo:
             continue
-        # the call has the same shape and row positions whichever rank computes it; rows not
-        # computed here (and past the real length) get empty ranges, so kernels skip them
-        meta = row_meta(torch.arange(g0, g0 + C, device=device), real_cu_dev, offs_dev, kpool)
-        mine = torch.zeros(C, dtype=torch.bool, device=device)
-        mine[a - g0 : b - g0] = True
-        r_start = torch.where(mine, (meta.pool_lo - lo).clamp(0, hi - lo), 0)
-        r_end = torch.where(mine, (meta.pool_hi - lo).clamp(0, hi - lo), 0)
-        r_end = torch.maximum(r_start, r_end)
-        qc = q.new_zeros((C, H, D))
-        wc = w.new_zeros((C, H))
-        qc[a - g0 : b - g0] = q[a - lo_row : b - lo_row]
-        wc[a - g0 : b - g0] = w[a - lo_row : b - lo_row]
+        r_s, r_e = ranges[0, i * C : (i + 1) * C], ranges[1, i * C : (i + 1) * C]
+        if a == g0 and b == g0 + C:  # the whole chunk is ours: views, no copies
+            qc, wc = qp[a - lo_row : b - lo_row], wp[a - lo_row : b - lo_row]
+        else:  # the call has the same shape and row positions whichever rank computes it
+            qc = qp.new_zeros((C,) + tuple(qp.shape[1:]))
+            wc = wp.new_zeros((C,) + tuple(wp.shape[1:]))
+            qc[a - g0 : b - g0] = qp[a - lo_row : b - lo_row]
+            wc[a - g0 : b - g0] = wp[a - lo_row : b - lo_row]
         with stage(problem, "score"):
-            scores = backend.score(problem, pooled, qc, wc, lo, hi, r_start.to(torch.int32), r_end.to(torch.int32))
+            scores = backend.score_prepared(problem, pooled, qc, wc, lo, hi, r_s, r_e)
         col0: Any = lo
-        row_starts, row_ends = r_start[a - g0 : b - g0], r_end[a - g0 : b - g0]
+        row_starts, row_ends = r_s[a - g0 : b - g0], r_e[a - g0 : b - g0]
         if isinstance(scores, tuple):  # request-local columns: column c of row r is pool lo + offset[r] + c
             scores, offset = scores
             col0 = lo + offset[a - g0 : b - g0, None]
@@ -264,7 +340,7 @@ def select_rows(
         visible = None
         if not backend.masks_scores:
             cols = torch.arange(hi - lo, device=device)
-            visible = (cols[None] >= r_start[a - g0 : b - g0, None]) & (cols[None] < r_end[a - g0 : b - g0, None])
+            visible = (cols[None] >= row_starts[:, None]) & (cols[None] < row_ends[:, None])
         with stage(problem, "select"):
             pools = select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts)
         out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
@@ -275,20 +351,23 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
     """The shared driver: pool (unless ``pooled`` is given), select this shard's rows chunk
     by chunk, then assemble."""
     seq, kpool, device = problem.seq, problem.kpool, problem.device
-    tables = pool_table(seq.real_cu_seq_lens, kpool)
     width = output_width(problem.topk, kpool, problem.alignment)
     out = torch.empty((seq.shard_size, width), dtype=torch.int32, device=device)
     own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
     if own_hi <= own_lo:
         return out.fill_(-1)  # this shard holds only padding
-    out[own_hi - own_lo :].fill_(-1)  # padding rows; assemble writes the others whole
-    # host-to-device copies before any kernel is queued (see select_rows)
-    pts_dev, cu_dev, offs_dev = tables[0].to(device), seq.real_cu_seq_lens.to(device), tables[1].to(device)
+    n = own_hi - own_lo
+    # the queries' preparation first: it needs no host tables, and the host builds them
+    # (and copies them over, once) while the device works
+    with stage(problem, "score"):
+        prepared = backend.prepare_queries(problem, problem.q[:n], problem.head_weights[:n])
+    staged = stage_tables(backend, problem, own_lo, own_hi)
+    pts_dev, cu_dev, offs_dev = staged.pool_tok_start, staged.cu, staged.offs
     if pooled is None and pts_dev.numel():
         with stage(problem, "pool"):
             pooled = backend.pool(problem, pts_dev)
-    n = own_hi - own_lo
-    pools = select_rows(backend, problem, pooled, tables, own_lo, own_hi, problem.q[:n], problem.head_weights[:n])
+    pools = select_rows(backend, problem, pooled, None, own_lo, own_hi, None, None, staged, prepared)
+    out[n:].fill_(-1)  # padding rows; assemble writes the others whole
     with stage(problem, "expand"):
         # the rows' metadata only now: its small kernels queue behind the scoring instead of
         # delaying the first one

@@ -127,13 +127,20 @@ class DeepGemmBackend(Backend):
         rows = logits_chunk_rows(problem.max_logits_bytes, max(1, num_pools), problem.heads, layout, a)
         return round_rows(min(rows, self.max_chunk_rows, problem.seq.num_real_tokens))
 
-    def score(self, problem, pooled, q, w, lo, hi, starts, ends):
+    def prepare_queries(self, problem, q, w):
+        """Rotated E4M3 queries ``[R, H, D]`` and folded FP32 head weights ``[R, H]``."""
         from ..kernels.triton_serving import queries_fp8
 
+        return queries_fp8(q, w)
+
+    def score(self, problem, pooled, q, w, lo, hi, starts, ends):
+        q8, wq = self.prepare_queries(problem, q, w)
+        return self.score_prepared(problem, pooled, q8, wq, lo, hi, starts, ends)
+
+    def score_prepared(self, problem, pooled, q8, wq, lo, hi, starts, ends):
         fn, _ = mqa_api()
         layout, a = self._layout_args(problem)
         k8, k_scale = pooled
-        q8, wq = queries_fp8(q, w)
         # the kernel's TMA wants 16-byte aligned scale pointers: start the kv slice at a
         # multiple of 4 pools and shift the row ranges and the returned columns to match
         shift = lo % 4
@@ -154,16 +161,16 @@ class DeepGemmBackend(Backend):
             else:
                 logits = fn(q8, kv, wq, ks, ke, clean_logits=False, max_seqlen_k=width)
         have = logits.untyped_storage().nbytes()
-        bound = logits_bytes(q.shape[0], width if layout == "compact" else n + shift, problem.heads, layout, a)
+        bound = logits_bytes(q8.shape[0], width if layout == "compact" else n + shift, problem.heads, layout, a)
         if have > problem.max_logits_bytes or have > bound:
             raise RuntimeError(
                 f"deepgemm: logits storage {have} bytes exceeds the budget {problem.max_logits_bytes} "
-                f"or the predicted {bound} ({layout} layout, {q.shape[0]} rows x {width} columns)"
+                f"or the predicted {bound} ({layout} layout, {q8.shape[0]} rows x {width} columns)"
             )
         if layout == "legacy":
             return logits[:, shift : shift + n]
         scores = logits[:, :width]
         if clean:
-            cols = torch.arange(width, device=q.device)
+            cols = torch.arange(width, device=q8.device)
             scores = scores.masked_fill(cols[None] >= lens[:, None], -float("inf"))
         return scores, starts.to(torch.int64)

@@ -44,11 +44,18 @@ def _kernels():
         return tl.reshape(y, (BLOCK, D))
 
     @triton.jit
-    def hadamard(x, BLOCK: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D):
-        # butterfly stages h = 1, 2, 4, ..., D / 2, then * D^-0.5
+    def butterflies(x, BLOCK: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
+        # butterfly stages h = 1, 2, 4, ..., D / 2 along the last dim
         for st in tl.static_range(LOG2D):
             x = butterfly(x, BLOCK, D, 1 << st)
-        return mul_rn(x, INV_SQRT_D)
+        return x
+
+    @triton.jit
+    def hadamard(x, BLOCK: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, INV_SQRT_D):
+        # butterfly stages, then * D^-0.5 (`tl` in the body: the annotations resolve through
+        # this function's closure)
+        y = butterflies(x, BLOCK, D, LOG2D)
+        return mul_rn(y, tl.full((), INV_SQRT_D, tl.float32))
 
     @triton.jit
     def quantize(x, out_ptr, scale_ptr, rows, rmask, cols, D: tl.constexpr):
@@ -105,7 +112,143 @@ def _kernels():
         x = x.to(tl.bfloat16).to(tl.float32)
         quantize(x, out_ptr, scale_ptr, rows.to(tl.int64), rmask, cols, D)
 
-    return pool_kernel, query_kernel
+    @triton.jit
+    def bfly(a, b):
+        return add_rn(a, b), add_rn(a, -b)
+
+    @triton.jit
+    def quantize8(v, inv_scale, out_ptr, rows, rmask, c8, m: tl.constexpr):
+        # v * (1 / scale) == v / scale: the scale is a power of two, its inverse exact
+        v = mul_rn(v, inv_scale[:, None])
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        tl.store(out_ptr + rows[:, None] * 128 + (m * 8 + c8)[None, :], v.to(tl.float8e4nv), mask=rmask[:, None])
+
+    @triton.jit
+    def query_kernel_128(q_ptr, out_ptr, scale_ptr, NR, INV_SQRT_D, BLOCK: tl.constexpr):
+        # One (row, head) vector of D = 128 per thread, as 16 slices of 8 adjacent channels
+        # (x_m = channels 8m .. 8m + 7, one 16-byte load each): the butterfly stages
+        # h = 1, 2, 4 act inside a slice (registers of one thread), h = 8 .. 64 between
+        # slices m and m + h / 8 (element-wise). Same pairs and FP32 operations as
+        # `hadamard`, without the data movement of the generic kernel.
+        pid = tl.program_id(0)
+        rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        rmask = rows < NR
+        c8 = tl.arange(0, 8)
+        ptr = q_ptr + rows[:, None] * 128 + c8[None, :]
+        # all 16 loads first (memory-level parallelism), then the stages h = 1, 2, 4
+        x0 = tl.load(ptr + 0, mask=rmask[:, None], other=0.0)
+        x1 = tl.load(ptr + 8, mask=rmask[:, None], other=0.0)
+        x2 = tl.load(ptr + 16, mask=rmask[:, None], other=0.0)
+        x3 = tl.load(ptr + 24, mask=rmask[:, None], other=0.0)
+        x4 = tl.load(ptr + 32, mask=rmask[:, None], other=0.0)
+        x5 = tl.load(ptr + 40, mask=rmask[:, None], other=0.0)
+        x6 = tl.load(ptr + 48, mask=rmask[:, None], other=0.0)
+        x7 = tl.load(ptr + 56, mask=rmask[:, None], other=0.0)
+        x8 = tl.load(ptr + 64, mask=rmask[:, None], other=0.0)
+        x9 = tl.load(ptr + 72, mask=rmask[:, None], other=0.0)
+        x10 = tl.load(ptr + 80, mask=rmask[:, None], other=0.0)
+        x11 = tl.load(ptr + 88, mask=rmask[:, None], other=0.0)
+        x12 = tl.load(ptr + 96, mask=rmask[:, None], other=0.0)
+        x13 = tl.load(ptr + 104, mask=rmask[:, None], other=0.0)
+        x14 = tl.load(ptr + 112, mask=rmask[:, None], other=0.0)
+        x15 = tl.load(ptr + 120, mask=rmask[:, None], other=0.0)
+        x0 = butterflies(x0.to(tl.float32), BLOCK, 8, 3)
+        x1 = butterflies(x1.to(tl.float32), BLOCK, 8, 3)
+        x2 = butterflies(x2.to(tl.float32), BLOCK, 8, 3)
+        x3 = butterflies(x3.to(tl.float32), BLOCK, 8, 3)
+        x4 = butterflies(x4.to(tl.float32), BLOCK, 8, 3)
+        x5 = butterflies(x5.to(tl.float32), BLOCK, 8, 3)
+        x6 = butterflies(x6.to(tl.float32), BLOCK, 8, 3)
+        x7 = butterflies(x7.to(tl.float32), BLOCK, 8, 3)
+        x8 = butterflies(x8.to(tl.float32), BLOCK, 8, 3)
+        x9 = butterflies(x9.to(tl.float32), BLOCK, 8, 3)
+        x10 = butterflies(x10.to(tl.float32), BLOCK, 8, 3)
+        x11 = butterflies(x11.to(tl.float32), BLOCK, 8, 3)
+        x12 = butterflies(x12.to(tl.float32), BLOCK, 8, 3)
+        x13 = butterflies(x13.to(tl.float32), BLOCK, 8, 3)
+        x14 = butterflies(x14.to(tl.float32), BLOCK, 8, 3)
+        x15 = butterflies(x15.to(tl.float32), BLOCK, 8, 3)
+        # h = 8: slices (m, m + 1), m even
+        x0, x1 = bfly(x0, x1)
+        x2, x3 = bfly(x2, x3)
+        x4, x5 = bfly(x4, x5)
+        x6, x7 = bfly(x6, x7)
+        x8, x9 = bfly(x8, x9)
+        x10, x11 = bfly(x10, x11)
+        x12, x13 = bfly(x12, x13)
+        x14, x15 = bfly(x14, x15)
+        # h = 16: (m, m + 2), m mod 4 < 2
+        x0, x2 = bfly(x0, x2)
+        x1, x3 = bfly(x1, x3)
+        x4, x6 = bfly(x4, x6)
+        x5, x7 = bfly(x5, x7)
+        x8, x10 = bfly(x8, x10)
+        x9, x11 = bfly(x9, x11)
+        x12, x14 = bfly(x12, x14)
+        x13, x15 = bfly(x13, x15)
+        # h = 32: (m, m + 4), m mod 8 < 4
+        x0, x4 = bfly(x0, x4)
+        x1, x5 = bfly(x1, x5)
+        x2, x6 = bfly(x2, x6)
+        x3, x7 = bfly(x3, x7)
+        x8, x12 = bfly(x8, x12)
+        x9, x13 = bfly(x9, x13)
+        x10, x14 = bfly(x10, x14)
+        x11, x15 = bfly(x11, x15)
+        # h = 64: (m, m + 8)
+        x0, x8 = bfly(x0, x8)
+        x1, x9 = bfly(x1, x9)
+        x2, x10 = bfly(x2, x10)
+        x3, x11 = bfly(x3, x11)
+        x4, x12 = bfly(x4, x12)
+        x5, x13 = bfly(x5, x13)
+        x6, x14 = bfly(x6, x14)
+        x7, x15 = bfly(x7, x15)
+        # * D^-0.5, BF16 round (as `quantize` after the generic kernel's hadamard)
+        x0 = mul_rn(x0, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x1 = mul_rn(x1, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x2 = mul_rn(x2, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x3 = mul_rn(x3, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x4 = mul_rn(x4, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x5 = mul_rn(x5, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x6 = mul_rn(x6, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x7 = mul_rn(x7, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x8 = mul_rn(x8, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x9 = mul_rn(x9, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x10 = mul_rn(x10, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x11 = mul_rn(x11, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x12 = mul_rn(x12, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x13 = mul_rn(x13, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x14 = mul_rn(x14, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        x15 = mul_rn(x15, INV_SQRT_D).to(tl.bfloat16).to(tl.float32)
+        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                          tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+        amax = tl.maximum(amax, tl.maximum(tl.maximum(tl.maximum(tl.abs(x8), tl.abs(x9)), tl.maximum(tl.abs(x10), tl.abs(x11))),
+                                           tl.maximum(tl.maximum(tl.abs(x12), tl.abs(x13)), tl.maximum(tl.abs(x14), tl.abs(x15)))))
+        amax = tl.max(amax, axis=1)
+        s = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
+        bits = s.to(tl.int32, bitcast=True)
+        scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        inv = tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), scale)
+        quantize8(x0, inv, out_ptr, rows, rmask, c8, 0)
+        quantize8(x1, inv, out_ptr, rows, rmask, c8, 1)
+        quantize8(x2, inv, out_ptr, rows, rmask, c8, 2)
+        quantize8(x3, inv, out_ptr, rows, rmask, c8, 3)
+        quantize8(x4, inv, out_ptr, rows, rmask, c8, 4)
+        quantize8(x5, inv, out_ptr, rows, rmask, c8, 5)
+        quantize8(x6, inv, out_ptr, rows, rmask, c8, 6)
+        quantize8(x7, inv, out_ptr, rows, rmask, c8, 7)
+        quantize8(x8, inv, out_ptr, rows, rmask, c8, 8)
+        quantize8(x9, inv, out_ptr, rows, rmask, c8, 9)
+        quantize8(x10, inv, out_ptr, rows, rmask, c8, 10)
+        quantize8(x11, inv, out_ptr, rows, rmask, c8, 11)
+        quantize8(x12, inv, out_ptr, rows, rmask, c8, 12)
+        quantize8(x13, inv, out_ptr, rows, rmask, c8, 13)
+        quantize8(x14, inv, out_ptr, rows, rmask, c8, 14)
+        quantize8(x15, inv, out_ptr, rows, rmask, c8, 15)
+        tl.store(scale_ptr + rows, scale, mask=rmask)
+
+    return pool_kernel, query_kernel, query_kernel_128
 
 
 def _inv_sqrt_fp32(n: int) -> float:
@@ -122,8 +265,8 @@ def pools_serving(k, gates, ape, pool_tok_start, fp8: bool, block: int = 16):
     """
     import triton
 
-    pool_kernel, _ = _kernels()
-    P, (S, D), K = pool_tok_start.numel(), k.shape, ape.shape[0]
+    pool_kernel = _kernels()[0]
+    P, D, K = pool_tok_start.numel(), k.shape[1], ape.shape[0]
     dev = k.device
     out = torch.empty((P, D), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
     scale = torch.empty((P,), dtype=torch.float32, device=dev)
@@ -138,20 +281,31 @@ def pools_serving(k, gates, ape, pool_tok_start, fp8: bool, block: int = 16):
     return (out, scale) if fp8 else out
 
 
-def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int = 32):
+def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None = None, generic: bool = False):
     """``(q8 [S, H, D] float8_e4m3fn, weights [S, H] float32)`` as
     ``serving.prepare_queries_fp8``: rotation and quantization in one kernel, the folded
-    weights ``((w * H^-0.5) * q_scale) * D^-0.5`` in torch (FP32)."""
+    weights ``((w * H^-0.5) * q_scale) * D^-0.5`` in torch (FP32).
+
+    ``D = 128`` runs a kernel that keeps each ``(row, head)`` vector in one thread's
+    registers (``block`` vectors per program, default 128); other ``D`` (or
+    ``generic=True``) the generic kernel (``block`` default 32). Both are bitwise equal to
+    the torch implementation."""
     import triton
 
-    _, query_kernel = _kernels()
+    _, query_kernel, query_kernel_128 = _kernels()
     S, H, D = q.shape
     q2 = q.reshape(S * H, D).contiguous()
     q8 = torch.empty((S * H, D), dtype=torch.float8_e4m3fn, device=q.device)
     qs = torch.empty((S * H,), dtype=torch.float32, device=q.device)
     if S * H:
-        grid = (triton.cdiv(S * H, block),)
-        query_kernel[grid](q2, q8, qs, S * H, _inv_sqrt_fp32(D), D=D, LOG2D=D.bit_length() - 1, BLOCK=block)
+        if D == 128 and not generic:
+            block = block or 128
+            grid = (triton.cdiv(S * H, block),)
+            query_kernel_128[grid](q2, q8, qs, S * H, _inv_sqrt_fp32(D), BLOCK=block, num_warps=max(1, block // 32))
+        else:
+            block = block or 32
+            grid = (triton.cdiv(S * H, block),)
+            query_kernel[grid](q2, q8, qs, S * H, _inv_sqrt_fp32(D), D=D, LOG2D=D.bit_length() - 1, BLOCK=block)
     w = head_weights.float() * _inv_sqrt_fp32(H)
     w = w * qs.view(S, H)
     w = w * _inv_sqrt_fp32(D)

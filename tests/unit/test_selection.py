@@ -220,3 +220,28 @@ def test_serving_order_keeps_the_selector_order_and_drops_invisible():
 
     got = serving_pools(scores, ends, 4, 10, selector)
     assert got.tolist() == [[13, 10, 15, -1]]
+
+
+@pytest.mark.parametrize("world_size, rank, budget", [(1, 0, 1 << 20), (3, 1, 40 * 4 * 64), (4, 3, 33 * 4 * 16)])
+def test_stage_tables_match_pool_table_and_row_meta(world_size, rank, budget):
+    # the driver's tables (grid from the document boundaries, pool_tok_start built from
+    # [cu, offsets, shifts]) against pool_table / row_meta on the host
+    from sp_kpool.backends import BACKENDS
+    from sp_kpool.backends.base import stage_tables
+    from sp_kpool.testing.problems import rank_slice_problem
+
+    lengths = [3, 0, 11, 1, 17, 4, 9]
+    for kpool in (1, 4, 5):
+        p = rank_slice_problem(sum(lengths), world_size, rank, heads=2, head_dim=8, kpool=kpool, topk=4 * kpool,
+                               lengths=lengths, device="cpu", max_logits_bytes=budget)  # fmt: skip
+        lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
+        st = stage_tables(BACKENDS["torch"], p, lo, hi)
+        starts, offs = pool_table(p.seq.real_cu_seq_lens, kpool)
+        assert st.num_pools == starts.numel() and torch.equal(st.pool_tok_start, starts)
+        assert torch.equal(st.offs, offs) and torch.equal(st.cu, p.seq.real_cu_seq_lens)
+        assert [g[0] for g in st.grid] == list(range((lo // st.C) * st.C, hi, st.C))
+        for i, (g0, g1, plo, phi) in enumerate(st.grid):
+            m = row_meta(torch.tensor([g0, g1 - 1]), p.seq.real_cu_seq_lens, offs, kpool)
+            assert g1 == min(g0 + st.C, p.seq.num_real_tokens)
+            assert (plo, phi) == (int(m.pool_lo[0]), int(m.pool_hi[1]))
+            assert st.bounds[i].tolist() == [plo, phi]

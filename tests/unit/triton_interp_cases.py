@@ -149,9 +149,9 @@ def test_rank_by_score_gives_score_order():
     assert torch.equal(_rank_by_score(s, asc, base[:, None]), want)
 
 
-@pytest.mark.parametrize("ways,warps", [(3, 4), (5, 8)])
+@pytest.mark.parametrize("ways,warps", [(3, 4), (5, 8), (2, 4)])
 def test_multiway_searches(ways, warps):
-    # 3- and 5-way searches (two / four thresholds per reduction), also on exact ties
+    # 2-, 3- and 5-way searches (one / two / four thresholds per reduction), also on exact ties
     g = torch.Generator().manual_seed(8)
     s = torch.randn(4, 2000, generator=g)
     s[1] = torch.randint(-2, 3, (2000,), generator=g).float()
@@ -159,6 +159,29 @@ def test_multiway_searches(ways, warps):
     starts, ends = torch.tensor([0, 3, 0, 11]), torch.tensor([2000, 1999, 2000, 700])
     run(s, starts, ends, 100, ways=ways, num_warps=warps)
     run(s, starts, ends, 1, ways=ways, num_warps=warps)
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "two_clusters", "denormal_and_huge", "few_groups"])
+def test_searches_on_skewed_rows(kind):
+    # keys spread over the whole int32 range, clusters far apart, fewer visible groups
+    # than k with more visible cells than k
+    g = torch.Generator().manual_seed(9)
+    n = 3000
+    if kind == "lognormal":
+        s = torch.exp(torch.randn(3, n, generator=g) * 8)
+    elif kind == "two_clusters":
+        s = torch.where(torch.rand(3, n, generator=g) < 0.99, torch.randn(3, n, generator=g) * 1e-6, 1e30 + torch.rand(3, n, generator=g) * 1e24)
+    elif kind == "denormal_and_huge":
+        s = torch.randn(3, n, generator=g) * 1e-40
+        s[:, ::97] = -3e38
+        s[:, 5::101] = 3e38
+    else:  # fewer visible groups than k, more visible cells than k
+        s = torch.full((3, n), -float("inf"))
+        s[:, 0:600:8] = torch.randn(3, 75, generator=g)
+        s[:, 1:600:8] = torch.randn(3, 75, generator=g)
+    starts, ends = torch.tensor([0, 1, 17]), torch.tensor([n, n - 3, 2000])
+    for k in (1, 100, 130):
+        run(s.float(), starts, ends, k)
 
 
 def test_odd_width_last_row_and_strided_rows():

@@ -1,0 +1,73 @@
+"""Host time of one indexer call while the device is busy (does the call ever wait for it?).
+
+    python scripts/host_time.py [--backend deepgemm --precision fp8 --heads 32]
+
+A model's forward pass queues layer after layer ahead of the device; a call that makes the
+host wait for the device (a copy from pageable memory, a ``.item()``) leaves the device idle
+while the host queues the rest. This script queues a ~20 ms device sleep, then times on the
+host the steps of the driver (query preparation, pool table, staged tables, pooling) and a
+whole call on the reference workload (rank 3 of 4 x 32768 tokens, D 128, topk 2048). A step
+that takes about as long as the sleep waited for the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from sp_kpool.backends import BACKENDS  # noqa: E402
+from sp_kpool.backends.base import default_max_logits_bytes, stage_tables  # noqa: E402
+from sp_kpool.pooling import pool_table  # noqa: E402
+from sp_kpool.testing.problems import rank_slice_problem  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="deepgemm")
+    ap.add_argument("--precision", default="fp8")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--total", type=int, default=131072)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    p = rank_slice_problem(args.total, 4, 3, heads=args.heads, head_dim=128, topk=2048, precision=args.precision,
+                           max_logits_bytes=default_max_logits_bytes("cuda"), seed=args.heads)  # fmt: skip
+    be = BACKENDS[args.backend]
+    be.run(p)
+    torch.cuda.synchronize()
+    lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
+    steps = ("prepare_queries", "pool_table", "stage_tables", "pool", "whole_call", "then_synchronize")
+    rows = []
+    for _ in range(args.reps):
+        torch.cuda._sleep(40_000_000)  # ~20 ms on an H200
+        t = [time.perf_counter()]
+        be.prepare_queries(p, p.q[: hi - lo], p.head_weights[: hi - lo])
+        t.append(time.perf_counter())
+        tables = pool_table(p.seq.real_cu_seq_lens, p.kpool)
+        t.append(time.perf_counter())
+        st = stage_tables(be, p, lo, hi)
+        t.append(time.perf_counter())
+        be.pool(p, st.pool_tok_start)
+        t.append(time.perf_counter())
+        be.run(p)
+        t.append(time.perf_counter())
+        torch.cuda.synchronize()
+        t.append(time.perf_counter())
+        rows.append({s: round((t[i + 1] - t[i]) * 1e3, 3) for i, s in enumerate(steps)})
+        print(json.dumps(rows[-1]), flush=True)
+    # the pinned staging buffer alone
+    n = tables[0].numel() + 64
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.empty(n, dtype=torch.int64, pin_memory=True)
+    print(json.dumps({"pinned_empty_ms": round((time.perf_counter() - t0) / 20 * 1e3, 4), "elements": n}))
+
+
+if __name__ == "__main__":
+    main()
