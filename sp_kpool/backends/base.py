@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .._env import env_int
+from .._probe import probe
 from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
 
@@ -266,6 +267,22 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -
     return _Staged(C, grid, P, pts, cu_d, offs_d, bounds)
 
 
+def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:
+    """``[2, n_chunks * C]`` int32 ``[start, end)`` of every row of the chunk grid relative
+    to its chunk's pool range (see :func:`sp_kpool.kernels.triton_select.chunk_row_ranges`,
+    its one-launch CUDA twin)."""
+    device = bounds.device
+    meta = row_meta(torch.arange(lo_row, hi_row, device=device), cu, offs, kpool)
+    which = (meta.rows - first) // C
+    clo, chi = bounds[which, 0], bounds[which, 1]
+    r_start = (meta.pool_lo - clo).clamp_(min=0)
+    r_end = torch.minimum(meta.pool_hi, chi) - clo
+    ranges = torch.zeros((2, bounds.shape[0] * C), dtype=torch.int32, device=device)
+    ranges[0, lo_row - first : hi_row - first] = r_start
+    ranges[1, lo_row - first : hi_row - first] = torch.maximum(r_start, r_end)
+    return ranges
+
+
 def select_rows(
     backend: Backend,
     problem: Problem,
@@ -307,14 +324,12 @@ def select_rows(
     # each row's [start, end) relative to its chunk's pool range, laid out on the chunk grid
     # (rows not computed here stay empty): one pass for all chunks, views per chunk
     first = grid[0][0]
-    meta = row_meta(torch.arange(lo_row, hi_row, device=device), cu_dev, offs_dev, kpool)
-    which = (meta.rows - first) // C
-    clo, chi = bounds_dev[which, 0], bounds_dev[which, 1]
-    r_start = (meta.pool_lo - clo).clamp_(min=0)
-    r_end = torch.minimum(meta.pool_hi, chi) - clo
-    ranges = torch.zeros((2, len(grid) * C), dtype=torch.int32, device=device)
-    ranges[0, lo_row - first : hi_row - first] = r_start
-    ranges[1, lo_row - first : hi_row - first] = torch.maximum(r_start, r_end)
+    if device.type == "cuda" and probe("triton")[0] is not None:
+        from ..kernels.triton_select import chunk_row_ranges
+
+        ranges = chunk_row_ranges(cu_dev, offs_dev, bounds_dev, lo_row, hi_row, first, C, kpool)
+    else:
+        ranges = row_ranges_torch(cu_dev, offs_dev, bounds_dev, lo_row, hi_row, first, C, kpool)
     for i, (g0, g1, lo, hi) in enumerate(grid):
         a, b = max(g0, lo_row), min(g1, hi_row)  # rows of this chunk computed here
         if hi <= lo:

@@ -124,7 +124,7 @@ def _kernels():
         tl.store(out_ptr + rows[:, None] * 128 + (m * 8 + c8)[None, :], v.to(tl.float8e4nv), mask=rmask[:, None])
 
     @triton.jit
-    def query_kernel_128(q_ptr, out_ptr, scale_ptr, NR, INV_SQRT_D, BLOCK: tl.constexpr):
+    def query_kernel_128(q_ptr, out_ptr, scale_ptr, w_ptr, wout_ptr, NR, INV_SQRT_D, INV_SQRT_H, BLOCK: tl.constexpr):
         # One (row, head) vector of D = 128 per thread, as 16 slices of 8 adjacent channels
         # (x_m = channels 8m .. 8m + 7, one 16-byte load each): the butterfly stages
         # h = 1, 2, 4 act inside a slice (registers of one thread), h = 8 .. 64 between
@@ -247,6 +247,11 @@ def _kernels():
         quantize8(x14, inv, out_ptr, rows, rmask, c8, 14)
         quantize8(x15, inv, out_ptr, rows, rmask, c8, 15)
         tl.store(scale_ptr + rows, scale, mask=rmask)
+        # the folded head weight of each (row, head): ((w * H^-0.5) * scale) * D^-0.5 in FP32,
+        # the order of the torch implementation
+        w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        w = mul_rn(mul_rn(mul_rn(w, tl.full((BLOCK,), INV_SQRT_H, tl.float32)), scale), tl.full((BLOCK,), INV_SQRT_D, tl.float32))
+        tl.store(wout_ptr + rows, w, mask=rmask)
 
     return pool_kernel, query_kernel, query_kernel_128
 
@@ -284,12 +289,12 @@ def pools_serving(k, gates, ape, pool_tok_start, fp8: bool, block: int = 16):
 def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None = None, generic: bool = False):
     """``(q8 [S, H, D] float8_e4m3fn, weights [S, H] float32)`` as
     ``serving.prepare_queries_fp8``: rotation and quantization in one kernel, the folded
-    weights ``((w * H^-0.5) * q_scale) * D^-0.5`` in torch (FP32).
+    weights ``((w * H^-0.5) * q_scale) * D^-0.5`` (FP32).
 
     ``D = 128`` runs a kernel that keeps each ``(row, head)`` vector in one thread's
-    registers (``block`` vectors per program, default 128); other ``D`` (or
-    ``generic=True``) the generic kernel (``block`` default 32). Both are bitwise equal to
-    the torch implementation."""
+    registers (``block`` vectors per program, default 128) and also writes the folded
+    weights; other ``D`` (or ``generic=True``) the generic kernel (``block`` default 32),
+    the weights in torch. Both are bitwise equal to the torch implementation."""
     import triton
 
     _, query_kernel, query_kernel_128 = _kernels()
@@ -297,15 +302,18 @@ def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None =
     q2 = q.reshape(S * H, D).contiguous()
     q8 = torch.empty((S * H, D), dtype=torch.float8_e4m3fn, device=q.device)
     qs = torch.empty((S * H,), dtype=torch.float32, device=q.device)
+    if S * H and D == 128 and not generic:
+        # rotation, quantization and the folded weights in one kernel
+        block = block or 128
+        w = torch.empty((S, H), dtype=torch.float32, device=q.device)
+        grid = (triton.cdiv(S * H, block),)
+        query_kernel_128[grid](q2, q8, qs, head_weights.contiguous(), w, S * H, _inv_sqrt_fp32(D), _inv_sqrt_fp32(H),
+                               BLOCK=block, num_warps=max(1, block // 32))  # fmt: skip
+        return q8.view(S, H, D), w
     if S * H:
-        if D == 128 and not generic:
-            block = block or 128
-            grid = (triton.cdiv(S * H, block),)
-            query_kernel_128[grid](q2, q8, qs, S * H, _inv_sqrt_fp32(D), BLOCK=block, num_warps=max(1, block // 32))
-        else:
-            block = block or 32
-            grid = (triton.cdiv(S * H, block),)
-            query_kernel[grid](q2, q8, qs, S * H, _inv_sqrt_fp32(D), D=D, LOG2D=D.bit_length() - 1, BLOCK=block)
+        block = block or 32
+        grid = (triton.cdiv(S * H, block),)
+        query_kernel[grid](q2, q8, qs, S * H, _inv_sqrt_fp32(D), D=D, LOG2D=D.bit_length() - 1, BLOCK=block)
     w = head_weights.float() * _inv_sqrt_fp32(H)
     w = w * qs.view(S, H)
     w = w * _inv_sqrt_fp32(D)

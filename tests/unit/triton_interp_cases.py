@@ -15,7 +15,8 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run this file with TRITON_INTERPRET=1 (tests/unit/test_triton_interpreter.py does)")
 
-from sp_kpool.selection import RowMeta, _ascending, assemble, topk_pools  # noqa: E402
+from sp_kpool.pooling import pool_table  # noqa: E402
+from sp_kpool.selection import RowMeta, _ascending, assemble, row_meta, topk_pools  # noqa: E402
 from sp_kpool.testing.triton_interp import interpreted_module  # noqa: E402
 
 ts = interpreted_module("sp_kpool.kernels.triton_select")
@@ -236,3 +237,23 @@ def test_streamed_blocks_with_small_k():
     s[1, 4321] = 3.0
     run(s, torch.tensor([0, 5]), torch.tensor([6000, 6000]), 1)
     run(s, torch.tensor([0, 5]), torch.tensor([6000, 6000]), 3)
+
+
+@pytest.mark.parametrize("lengths, kpool, C, lo, hi", [
+    ([3, 0, 11, 1, 17, 4, 9], 4, 7, 5, 40),
+    ([3, 0, 11, 1, 17, 4, 9], 1, 16, 0, 45),
+    ([45], 5, 64, 33, 45),
+    ([1] * 30 + [200], 4, 50, 17, 230),
+])
+def test_chunk_row_ranges_equal_the_torch_arithmetic(lengths, kpool, C, lo, hi):
+    from sp_kpool.backends.base import row_ranges_torch
+
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    starts, offs = pool_table(cu, kpool)
+    first = (lo // C) * C
+    grid = list(range(first, hi, C))
+    m = row_meta(torch.tensor([r for g0 in grid for r in (g0, min(g0 + C, int(cu[-1])) - 1)]), cu, offs, kpool)
+    bounds = torch.stack([m.pool_lo[0::2], m.pool_hi[1::2]], dim=1)
+    got = ts.chunk_row_ranges(cu, offs, bounds, lo, hi, first, C, kpool)
+    want = row_ranges_torch(cu, offs, bounds, lo, hi, first, C, kpool)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
