@@ -170,7 +170,12 @@ class Backend:
         """The per-row part of scoring, done once per call for all the rows a rank scores
         (e.g. query rotation and quantization): ``(q', w')`` with rows matching ``q
         [R, H, D]`` / ``w [R, H]``, where row ``r`` depends on row ``r`` of the inputs
-        only and an all-zero input row gives an all-zero output row. Default: ``(q, w)``."""
+        only and an all-zero input row gives an all-zero output row. Default: ``(q, w)``.
+
+        Override it together with :meth:`score_prepared` (the driver checks), and keep
+        :meth:`score` equal to ``score_prepared(prepare_queries(...))``: the driver calls
+        ``score_prepared``, so a subclass that overrides only ``score`` of a backend with
+        these hooks is not used by the driver."""
         return q, w
 
     def score_prepared(self, problem: Problem, pooled: Any, q: Any, w: Any, lo: int, hi: int,
@@ -242,9 +247,11 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -
     for d in range(len(cu) - 1):
         offs.append(offs[-1] + (cu[d + 1] - cu[d]) // K)
     P = offs[-1]
-    C = backend.chunk_rows(problem, P)
+    # no complete pools: nothing is scored (select_rows returns -1 rows), so no chunk size
+    # (the budget check) and no grid
+    C = backend.chunk_rows(problem, P) if P else 1
     grid = []
-    if hi_row > lo_row:
+    if hi_row > lo_row and P:
         def doc(r):  # document of the real row r
             return bisect.bisect_right(cu, r) - 1
 
@@ -265,6 +272,20 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -
     pid = torch.arange(P, device=device)
     pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
     return _Staged(C, grid, P, pts, cu_d, offs_d, bounds)
+
+
+def _check_query_hooks(backend: Backend) -> None:
+    """``prepare_queries`` and ``score_prepared`` are overridden together or not at all
+    (the driver prepares rows once and scores them with ``score_prepared``; one without the
+    other would prepare twice or score raw rows as prepared ones)."""
+    cls = type(backend)
+    prep = cls.prepare_queries is not Backend.prepare_queries
+    scored = cls.score_prepared is not Backend.score_prepared
+    if prep != scored:
+        raise TypeError(
+            f"backend {cls.__name__}: prepare_queries and score_prepared must be overridden together "
+            f"(prepare_queries overridden: {prep}, score_prepared overridden: {scored})"
+        )
 
 
 def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:
@@ -312,6 +333,9 @@ def select_rows(
     The rows' causal ranges are computed once for all chunks, on the device.
     """
     kpool, device = problem.kpool, problem.device
+    if tables is None and staged is None:
+        raise ValueError("select_rows: expected tables (pool_table(...)) or staged (stage_tables(...)), got neither")
+    _check_query_hooks(backend)
     num_pools = staged.num_pools if staged is not None else tables[0].numel()
     k_sel = problem.topk // kpool
     out = torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)

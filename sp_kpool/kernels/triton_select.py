@@ -542,7 +542,9 @@ def expand_pools(
     return out
 
 
-@triton.jit
+# integer arguments not specialised (divisibility, == 1): they change with the rank and the
+# call, and a new specialisation is a compile on the host's path
+@triton.jit(do_not_specialize=["n_docs", "lo_row", "hi_row", "first", "C", "total"])
 def ranges_kernel(cu_ptr, offs_ptr, bounds_ptr, out_ptr, n_docs, lo_row, hi_row, first, C, total,
                   K: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -576,8 +578,10 @@ def chunk_row_ranges(cu: torch.Tensor, offs: torch.Tensor, bounds: torch.Tensor,
     row ``first + i``) relative to its chunk's pool range ``bounds[i // C]`` (``[n_chunks,
     2]`` int64), ``0, 0`` for rows outside ``[lo_row, hi_row)`` (real rows only). ``cu``:
     ``real_cu_seq_lens`` (int64, ``[docs + 1]``), ``offs``: ``doc_pool_offset``. Equal to
-    the torch arithmetic of :func:`sp_kpool.backends.base.select_rows` (one launch instead
-    of about thirty small kernels on the host's path to the first scoring call)."""
+    :func:`sp_kpool.backends.base.row_ranges_torch` (one launch instead of about thirty
+    small kernels on the host's path to the first scoring call). The binary search over
+    the documents takes ``bit_length(docs)`` steps, rounded up to a multiple of 4 (few
+    compiled variants)."""
     total = bounds.shape[0] * C
     out = torch.empty((2, total), dtype=torch.int32, device=bounds.device)
     n_docs = cu.numel() - 1
@@ -585,6 +589,6 @@ def chunk_row_ranges(cu: torch.Tensor, offs: torch.Tensor, bounds: torch.Tensor,
         block = 1024
         ranges_kernel[(triton.cdiv(total, block),)](
             cu, offs, bounds, out, n_docs, lo_row, hi_row, first, C, total,
-            K=kpool, STEPS=max(1, n_docs.bit_length()), BLOCK=block, num_warps=4,
+            K=kpool, STEPS=-(-max(1, n_docs.bit_length()) // 4) * 4, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out

@@ -245,3 +245,70 @@ def test_stage_tables_match_pool_table_and_row_meta(world_size, rank, budget):
             assert g1 == min(g0 + st.C, p.seq.num_real_tokens)
             assert (plo, phi) == (int(m.pool_lo[0]), int(m.pool_hi[1]))
             assert st.bounds[i].tolist() == [plo, phi]
+
+
+def test_no_complete_pools_with_a_tiny_budget_gives_empty_rows_on_every_rank():
+    # every document shorter than kpool: nothing is scored, so the logits budget is not
+    # checked (before the check ran only on ranks with rows: they raised, the others did not)
+    from sp_kpool.testing.problems import simulate_ranks
+
+    x = make_inputs([3, 2, 1], heads=2, head_dim=8, kpool=4)
+    ref = torch.cat(simulate_ranks(x, 1, topk=8, kpool=4, max_logits_bytes=8))
+    assert bool((ref[:, :8] == -1).all())  # no history; the tail columns hold the rows' own tokens
+    assert ref[:, 8].tolist() == [0, 0, 0, 3, 3, 5]
+    for ws in (2, 3):
+        out = torch.cat(simulate_ranks(x, ws, topk=8, kpool=4, max_logits_bytes=8))
+        assert torch.equal(out[: ref.shape[0]], ref)
+
+
+def _rank_problems(x, world_size, **opts):
+    from sp_kpool.backends.base import Problem
+
+    seqs = [ShardedSequence.split(x.cu_seq_lens, world_size=world_size, rank=r) for r in range(world_size)]
+    local = [shard_inputs(x, s) for s in seqs]
+    k_all, g_all = torch.cat([d["k"] for d in local]), torch.cat([d["gates"] for d in local])
+    base = dict(tail="fixed", order="ascending", alignment=1)
+    base.update(opts)
+    return [Problem(q=d["q"], head_weights=d["head_weights"], k=k_all, gates=g_all, ape=d["ape"], seq=s, **base)
+            for s, d in zip(seqs, local)]  # fmt: skip
+
+
+def test_driver_scores_prepared_rows_once():
+    # a backend whose preparation changes the rows (channels reversed; score_prepared
+    # reverses them back): the driver must prepare each call's rows exactly once and pass
+    # the prepared rows (views of whole chunks, zero-padded copies of partial ones) to
+    # score_prepared; the result equals the plain backend at every world size
+    from sp_kpool.backends.torch_backend import TorchBackend
+
+    calls = []
+
+    class Flipped(TorchBackend):
+        def prepare_queries(self, problem, q, w):
+            calls.append(q.shape[0])
+            return q.flip(-1), w.flip(-1)
+
+        def score_prepared(self, problem, pooled, q, w, lo, hi, starts, ends):
+            return self.score(problem, pooled, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
+
+    x = make_inputs([37, 3, 60, 1, 29], heads=3, head_dim=8, kpool=4, seed=5)
+    opts = dict(topk=16, kpool=4, max_logits_bytes=20 * 32 * 7)  # chunks of a few rows
+    ref = torch.cat([TorchBackend().run(p) for p in _rank_problems(x, 1, **opts)])
+    for ws in (1, 2, 3, 5):
+        calls.clear()
+        probs = _rank_problems(x, ws, **opts)
+        out = torch.cat([Flipped().run(p) for p in probs])
+        assert torch.equal(out[: ref.shape[0]], ref)
+        n_real = [max(0, min(p.seq.shard_end, p.seq.num_real_tokens) - p.seq.shard_start) for p in probs]
+        assert calls == [n for n in n_real if n > 0]  # once per rank that has real rows
+
+
+def test_prepare_queries_without_score_prepared_is_refused():
+    from sp_kpool.backends.torch_backend import TorchBackend
+
+    class Half(TorchBackend):
+        def prepare_queries(self, problem, q, w):
+            return q, w
+
+    p = _rank_problems(make_inputs([40], heads=2, head_dim=8, kpool=4), 1, topk=8, kpool=4, max_logits_bytes=1 << 20)[0]
+    with pytest.raises(TypeError, match="must be overridden together"):
+        Half().run(p)

@@ -257,3 +257,27 @@ def test_chunk_row_ranges_equal_the_torch_arithmetic(lengths, kpool, C, lo, hi):
     got = ts.chunk_row_ranges(cu, offs, bounds, lo, hi, first, C, kpool)
     want = row_ranges_torch(cu, offs, bounds, lo, hi, first, C, kpool)
     assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+def test_chunk_row_ranges_random_layouts():
+    import random
+
+    from sp_kpool.backends.base import row_ranges_torch
+
+    rng = random.Random(3)
+    for _ in range(40):
+        lengths = [rng.choice([0, 1, 2, 3, 5, 9, 40, 130]) for _ in range(rng.randint(1, 12))]
+        if sum(lengths) == 0:
+            lengths[0] = 7
+        kpool, C = rng.choice([1, 2, 4, 7]), rng.randint(1, 70)
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        n = int(cu[-1])
+        lo = rng.randint(0, n - 1)
+        hi = rng.randint(lo + 1, n)
+        _, offs = pool_table(cu, kpool)
+        first = (lo // C) * C
+        grid = list(range(first, hi, C))
+        m = row_meta(torch.tensor([r for g0 in grid for r in (g0, min(g0 + C, n) - 1)]), cu, offs, kpool)
+        bounds = torch.stack([m.pool_lo[0::2], m.pool_hi[1::2]], dim=1)
+        got = ts.chunk_row_ranges(cu, offs, bounds, lo, hi, first, C, kpool)
+        assert torch.equal(got, row_ranges_torch(cu, offs, bounds, lo, hi, first, C, kpool)), (lengths, kpool, C, lo, hi)
