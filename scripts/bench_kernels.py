@@ -27,10 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from sp_kpool.backends import BACKENDS  # noqa: E402
-from sp_kpool.backends.base import default_max_logits_bytes  # noqa: E402
 from sp_kpool.pooling import pool_table  # noqa: E402
 from sp_kpool.selection import row_meta  # noqa: E402
-from sp_kpool.testing.problems import rank_slice_problem  # noqa: E402
+from sp_kpool.testing.problems import rank_slice_problem, reference_slice_problem  # noqa: E402
 
 
 def log(msg):
@@ -98,15 +97,16 @@ def staged(name, p, reps=5):
             stages.setdefault(k, []).append(v * 1e3)
     whole = bench(lambda: be.run(p), reps=reps, warmup=1)
     med = {k: sorted(v)[len(v) // 2] for k, v in stages.items()}
-    med["whole_host_ahead"] = bench_host_ahead(lambda: be.run(p), reps=reps)
-    med["host_call_while_device_busy"] = HOST_CALL_MS[-1]
+    med["whole_host_ahead"], med["host_call_while_device_busy"] = bench_host_ahead(lambda: be.run(p), reps=reps)
     return whole, med
 
 
 def bench_host_ahead(fn, reps=5):
-    """Median milliseconds of ``fn()`` on the device when the host is ahead of it, as in a
-    model's forward pass where earlier layers still run: a ~10 ms device sleep is queued
-    before the start event, so the call's host work before its first kernel overlaps it."""
+    """``(device ms, host ms)`` medians of ``fn()`` when the host is ahead of the device, as
+    in a model's forward pass where earlier layers still run: a ~10 ms device sleep is
+    queued before the start event, so the call's host work before its first kernel
+    overlaps it. A host time close to the sleep or longer means the call waited for the
+    device somewhere."""
     fn()
     torch.cuda.synchronize()
     times, host = [], []
@@ -120,38 +120,29 @@ def bench_host_ahead(fn, reps=5):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    times.sort()
-    host.sort()
-    # host time of the call while the device is busy: close to the sleep or longer means
-    # the host waited for the device somewhere in the call
-    HOST_CALL_MS.append(host[len(host) // 2])
-    return times[len(times) // 2]
+    return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2]
 
 
-HOST_CALL_MS: list = []
-
-
-def deepgemm_chunked(p, fn, q8, wq, kv, s, e):
-    """DeepGEMM alone, as the driver calls it: the same chunk grid, zero-padded partial
-    chunks, the same kv slices (inputs built outside the timing), ``clean_logits=False``."""
-    from sp_kpool.backends.base import stage_tables
+def deepgemm_chunked(p, fn, q8, wq, kv):
+    """DeepGEMM alone, as the driver calls it: the same chunk grid and row ranges
+    (``stage_tables``, ``row_ranges_torch``), zero-padded partial chunks, the same kv
+    slices (inputs built outside the timing), ``clean_logits=False``."""
+    from sp_kpool.backends.base import row_ranges_torch, stage_tables
 
     be = BACKENDS["deepgemm"]
     seq = p.seq
     lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
     st = stage_tables(be, p, lo_row, hi_row)
+    ranges = row_ranges_torch(st.cu, st.offs, st.bounds, lo_row, hi_row, st.grid[0][0], st.C, p.kpool)
     calls = []
-    for g0, g1, lo, hi in st.grid:
+    for i, (g0, g1, lo, hi) in enumerate(st.grid):
         a, b = max(g0, lo_row), min(g1, hi_row)
         qc = q8.new_zeros((st.C,) + tuple(q8.shape[1:]))
         wc = wq.new_zeros((st.C, wq.shape[1]))
         qc[a - g0 : b - g0] = q8[a - lo_row : b - lo_row]
         wc[a - g0 : b - g0] = wq[a - lo_row : b - lo_row]
-        ks = torch.zeros(st.C, dtype=torch.int32, device="cuda")
-        ke = torch.zeros(st.C, dtype=torch.int32, device="cuda")
-        shift = lo % 4
-        ks[a - g0 : b - g0] = (s[a - lo_row : b - lo_row] - lo + shift).clamp(min=shift)
-        ke[a - g0 : b - g0] = e[a - lo_row : b - lo_row] - lo + shift
+        shift = lo % 4  # as DeepGemmBackend.score_prepared: kv slices start at a multiple of 4 pools
+        ks, ke = ranges[0, i * st.C : (i + 1) * st.C] + shift, ranges[1, i * st.C : (i + 1) * st.C] + shift
         calls.append((qc, (kv[0][lo - shift : hi], kv[1][lo - shift : hi]), wc, ks, ke))
 
     def run():
@@ -214,8 +205,7 @@ def main():
         for precision, name in (("bf16", "tilelang"), ("fp8", "deepgemm")):
             if precision not in args.arms.split(","):
                 continue
-            p = rank_slice_problem(args.total, 4, 3, heads=H, head_dim=128, topk=2048, precision=precision,
-                                   max_logits_bytes=args.budget or default_max_logits_bytes("cuda"), seed=H)  # fmt: skip
+            p = reference_slice_problem(H, precision, total=args.total, seed=H, max_logits_bytes=args.budget or None)
             pairs = causal_pairs(p)
             flops = 2.0 * pairs * H * 128
             row = {"backend": name, "precision": precision, "H": H, "rows": p.q.shape[0], "causal_pairs": pairs}
@@ -248,7 +238,7 @@ def main():
                 ms = bench(lambda: fn(q8, (k8, ks), wq, s, e, clean_logits=False), reps=10)
                 row["deepgemm_alone_noclean_ms"] = ms
                 row["whole_over_deepgemm_alone_noclean"] = row["whole_ms"] / ms
-                row["deepgemm_chunked_noclean_ms"] = deepgemm_chunked(p, fn, q8, wq, (k8, ks), s, e)
+                row["deepgemm_chunked_noclean_ms"] = deepgemm_chunked(p, fn, q8, wq, (k8, ks))
                 # the query preparation alone (all rows once): the register kernel and the generic one
                 row["queries_fp8_ms"] = bench(lambda: queries_fp8(p.q, p.head_weights), reps=10)
                 row["queries_fp8_generic_ms"] = bench(lambda: queries_fp8(p.q, p.head_weights, generic=True), reps=10)

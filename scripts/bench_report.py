@@ -208,7 +208,7 @@ def markdown(doc: dict) -> str:
         f"- versions: python {env['python']}, torch {env['torch']}, sp_kpool {env['sp_kpool']} ({env['git_commit']})"
         + (f", CUDA {env.get('cuda')}, NCCL {env.get('nccl')}" if "gpu" in env else ""),
         f"- ranks: {env['world_size']} ({env['dist_backend'] or 'single process'}), device {env['device']}",
-        f"- ceilings (rank 0, this run): "
+        "- ceilings (rank 0, this run): "
         + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in doc["ceilings"].items()),
         "",
         "| S | backend | precision | gather | balance | ms (max rank) | stages ms (max rank) | gather B recv/rank"

@@ -252,7 +252,7 @@ def section_deepgemm(quick):
             C = min(rows, be.chunk_rows(p, n))
             z = torch.zeros(C, dtype=torch.int32, device="cuda")
             try:
-                res = be.score(p, pooled, p.q[:C], p.head_weights[:C], 0, n, z, z + n)
+                be.score(p, pooled, p.q[:C], p.head_weights[:C], 0, n, z, z + n)
                 ok, info = True, {}
             except RuntimeError as exc:
                 ok, info = False, {"error": str(exc)}

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from sp_kpool.backends import BACKENDS  # noqa: E402
-from sp_kpool.backends.base import default_max_logits_bytes, stage_tables  # noqa: E402
+from sp_kpool.backends.base import stage_tables  # noqa: E402
 from sp_kpool.pooling import pool_table  # noqa: E402
-from sp_kpool.testing.problems import rank_slice_problem  # noqa: E402
+from sp_kpool.testing.problems import reference_slice_problem  # noqa: E402
 
 
 def main():
@@ -36,8 +36,7 @@ def main():
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    p = rank_slice_problem(args.total, 4, 3, heads=args.heads, head_dim=128, topk=2048, precision=args.precision,
-                           max_logits_bytes=default_max_logits_bytes("cuda"), seed=args.heads)  # fmt: skip
+    p = reference_slice_problem(args.heads, args.precision, total=args.total, seed=args.heads)
     be = BACKENDS[args.backend]
     be.run(p)
     torch.cuda.synchronize()

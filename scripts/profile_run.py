@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from sp_kpool.backends import BACKENDS  # noqa: E402
-from sp_kpool.backends.base import default_max_logits_bytes  # noqa: E402
-from sp_kpool.testing.problems import rank_slice_problem  # noqa: E402
+from sp_kpool.testing.problems import reference_slice_problem  # noqa: E402
 
 
 def main():
@@ -34,8 +33,7 @@ def main():
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    p = rank_slice_problem(args.total, 4, 3, heads=args.heads, head_dim=128, topk=2048, precision=args.precision,
-                           max_logits_bytes=default_max_logits_bytes("cuda"), seed=1)  # fmt: skip
+    p = reference_slice_problem(args.heads, args.precision, total=args.total, seed=1)
     be = BACKENDS[args.backend]
     for _ in range(2):
         be.run(p)

@@ -106,6 +106,18 @@ def simulate_ranks(x: GlobalInputs, world_size: int, *, topk: int, kpool: int, b
     return outs
 
 
+def reference_slice_problem(heads: int, precision: str = "bf16", *, total: int = 131072, seed: int = 0,
+                            max_logits_bytes: int | None = None, device="cuda"):  # fmt: skip
+    """The benchmarks' reference workload on CUDA: rank 3 of a 4-rank split of one
+    ``total``-token document, D 128, topk 2048, kpool 4, the library's logits budget for
+    ``device`` unless ``max_logits_bytes`` is given."""
+    from ..backends.base import default_max_logits_bytes
+
+    budget = max_logits_bytes or default_max_logits_bytes(device)
+    return rank_slice_problem(total, 4, 3, heads=heads, head_dim=128, topk=2048, precision=precision,
+                              max_logits_bytes=budget, seed=seed, device=device)  # fmt: skip
+
+
 def rank_slice_problem(
     total: int, world_size: int, rank: int, *, heads: int, head_dim: int, kpool: int = 4, topk: int = 2048,
     device="cuda", precision: str = "bf16", seed: int = 0, exact: bool = False, lengths: list[int] | None = None,

@@ -312,3 +312,14 @@ def test_prepare_queries_without_score_prepared_is_refused():
     p = _rank_problems(make_inputs([40], heads=2, head_dim=8, kpool=4), 1, topk=8, kpool=4, max_logits_bytes=1 << 20)[0]
     with pytest.raises(TypeError, match="must be overridden together"):
         Half().run(p)
+
+
+def test_reference_slice_problem_is_rank_3_of_4():
+    from sp_kpool.backends.base import default_max_logits_bytes
+    from sp_kpool.testing.problems import rank_slice_problem, reference_slice_problem
+
+    p = reference_slice_problem(4, "fp8", total=64, seed=2, device="cpu")
+    q = rank_slice_problem(64, 4, 3, heads=4, head_dim=128, topk=2048, precision="fp8", seed=2, device="cpu",
+                           max_logits_bytes=default_max_logits_bytes("cpu"))  # fmt: skip
+    assert (p.seq.shard_start, p.seq.shard_end, p.precision, p.max_logits_bytes) == (48, 64, "fp8", q.max_logits_bytes)
+    assert torch.equal(p.q, q.q) and torch.equal(p.k, q.k)
