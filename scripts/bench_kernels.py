@@ -187,6 +187,10 @@ def main():
     ap.add_argument("--torch-baseline", action="store_true", help="also time the torch backend end to end (slow)")
     ap.add_argument("--arms", default="bf16,fp8", help="which of bf16 (tilelang) and fp8 (deepgemm) to run")
     ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads[:bq[:clean]],...' to time first")
+    ap.add_argument("--select-configs", default="",
+                    help="selector launches 'name=value[+name=value]' (keyword arguments of topk_ascending: capg, ways, "
+                         "maxnreg, ...), comma-separated, timed on the fp8 logits after the default launch and "
+                         "compared with its answer (a repeated launch is timed again)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -256,6 +260,15 @@ def main():
 
                 zero = torch.zeros(logits.shape[0], dtype=torch.int64, device="cuda")
                 row["triton_topk_512_ms"] = bench(lambda: topk_ascending(logits, s, e, zero, 512), reps=5)
+                if args.select_configs:  # other launches of the selector on the same logits, same answer?
+                    ref = topk_ascending(logits, s, e, zero, 512)
+                    for cfg in args.select_configs.split(","):
+                        kw = {n: int(v) for n, v in (o.split("=", 1) for o in cfg.split("+"))}
+                        same = torch.equal(topk_ascending(logits, s, e, zero, 512, **kw), ref)
+                        ms = bench(lambda: topk_ascending(logits, s, e, zero, 512, **kw), reps=5)  # noqa: B023
+                        runs = row.setdefault("triton_topk_512_configs", {})
+                        name = cfg if cfg not in runs else f"{cfg}#{sum(n.split('#')[0] == cfg for n in runs) + 1}"
+                        runs[name] = {"ms": ms, "equal_default": same}
                 del logits
             if args.torch_baseline and precision == "bf16" and "error" not in row:
                 runs = []

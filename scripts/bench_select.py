@@ -61,13 +61,17 @@ def exact(s, ends, k, base):
 
 
 def launch(cfg, sms):
-    """Keyword arguments of ``topk_ascending`` for ``'warps:ways:maxnreg[:tile[:per_sm]]'``."""
+    """Keyword arguments of ``topk_ascending`` for ``'warps:ways:maxnreg[:tile[:per_sm]]'`` or
+    ``'default'``, either followed by ``+name=value`` keyword arguments passed as they are
+    (e.g. ``default+capg=1024``)."""
+    cfg, *opts = cfg.split("+")
+    extra = {name: int(value) for name, value in (o.split("=", 1) for o in opts)}
     if cfg == "default":
-        return {}
+        return extra
     vals = [int(x) for x in cfg.split(":")] + [0, 0]
     warps, ways, maxnreg, tile, per_sm = vals[:5]
     return {"num_warps": warps or None, "ways": ways or 2, "maxnreg": maxnreg or None, "tile": tile or None,
-            "programs": per_sm * sms if per_sm else None}  # fmt: skip
+            "programs": per_sm * sms if per_sm else None, **extra}  # fmt: skip
 
 
 def main():
@@ -76,7 +80,8 @@ def main():
     ap.add_argument("--pools", type=int, default=32768)
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--configs", default="default,8:2:64,8:3:64,4:2:64,8:2:0",
-                    help="comma-separated 'warps:ways:maxnreg[:tile[:per_sm]]' (0: the kernel's default) or 'default'")
+                    help="comma-separated 'warps:ways:maxnreg[:tile[:per_sm]]' (0: the kernel's default) or 'default', "
+                         "each optionally followed by '+name=value' keyword arguments of topk_ascending (e.g. capg)")
     ap.add_argument("--phase-config", default="default", help="config whose phases 1-3 are timed alone")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
