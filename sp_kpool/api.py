@@ -7,6 +7,7 @@ import zlib
 
 import torch
 
+from ._device import to_device
 from .backends import Problem, resolve_backend
 from .backends.base import default_max_logits_bytes, stage
 from .balance import ROW_COST, balanced_select, causal_partition, row_work_prefix
@@ -225,10 +226,13 @@ def kpool_topk(
         )  # fmt: skip
         chosen = resolve_backend(backend, problem)
         tables = pool_table(seq.real_cu_seq_lens, kpool)
+        # the logits budget against global quantities, here, so that every rank raises alike
+        # (a rank whose shard holds only padding never reaches the scoring chunks)
+        chunk = chosen.chunk_rows(problem, tables[0].numel()) if tables[0].numel() else None
         if balance == "causal" and seq.world_size > 1:
             block = balance_block
             if block is None:  # global quantities only: the same on every rank
-                block = chosen.chunk_rows(problem, tables[0].numel())
+                block = chunk if chunk is not None else chosen.chunk_rows(problem, 0)
             row_cost = balance_row_cost
             if row_cost is None:
                 row_cost = getattr(chosen, "balance_row_cost", ROW_COST)
@@ -247,18 +251,20 @@ def kpool_topk(
         problem = dataclasses.replace(problem, stage_times={})
 
     pts = tables[0]
+    applied = part is not None and part.applied
     if gather == "keys":
         with stage(problem, "gather"):
             k_all = all_gather_rows(k, seq, stats=counter, tag="gather_keys")
             gates_all = all_gather_rows(gates, seq, stats=counter, tag="gather_keys")
         problem = dataclasses.replace(problem, k=k_all, gates=gates_all)
-        with stage(problem, "pool"):
-            pooled = chosen.pool(problem, pts.to(problem.device)) if pts.numel() else None
+        pooled = None  # the driver pools, from the pool table it builds on the device
+        if applied and pts.numel():  # the balanced path needs them here
+            with stage(problem, "pool"):
+                pooled = chosen.pool(problem, to_device(pts, problem.device))
     else:
         # problem.k / gates stay this rank's shards: with pooled given, nothing reads them.
         pooled = gather_pools(chosen, problem, pts, stats=counter)
 
-    applied = part is not None and part.applied
     if applied:
         out = balanced_select(chosen, problem, pooled, tables, part, stats=counter)
     else:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ._device import to_device
 from .comm import CommStats, exchange_rows, pack_rows, unpack_rows
 from .selection import assemble, output_width, row_meta
 
@@ -336,7 +337,7 @@ def balanced_select(
         with stage(problem, "expand"):
             meta = row_meta(torch.arange(a, b, device=device), seq.real_cu_seq_lens, tables[1], kpool)
             out[: b - a] = assemble(
-                mine, meta, tables[0].to(device), topk=problem.topk, kpool=kpool,
+                mine, meta, to_device(tables[0], device), topk=problem.topk, kpool=kpool,
                 tail=problem.tail, order=problem.order, alignment=problem.alignment, presorted=True,
             )  # fmt: skip
     return out

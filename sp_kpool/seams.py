@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ._device import to_device
 from .comm import CommStats, all_gather_uneven_rows, exchange_rows, pack_rows, unpack_rows
 
 __all__ = ["PoolShards", "pool_shards", "gather_pools"]
@@ -149,7 +150,7 @@ def gather_pools(
         k_ext, g_ext = _seam_rows(problem, shards, stats)
     with stage(problem, "pool"):
         a, b = shards.first[me], shards.first[me + 1]
-        local = (pool_tok_start[a:b] - me * ss).to(problem.device)
+        local = to_device(pool_tok_start[a:b] - me * ss, problem.device)
         pooled = _pool_local(backend, problem, k_ext, g_ext, local)
     if R == 1:
         return pooled

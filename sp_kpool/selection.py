@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._device import to_device
 from ._probe import probe
 
 __all__ = [
@@ -71,12 +72,12 @@ def row_meta(
 
     ``real_cu_seq_lens`` (``[num_docs + 1]``) and ``doc_pool_offset`` (from
     :func:`sp_kpool.pooling.pool_table`) describe real documents only; rows at or past
-    ``real_cu_seq_lens[-1]`` are padding. In loops on CUDA pass them already on the device
-    (a host-to-device copy makes the host wait for the queued kernels).
+    ``real_cu_seq_lens[-1]`` are padding. Tables on the host are copied without blocking
+    (:func:`sp_kpool._device.to_device`); in loops pass them already on the device.
     """
     device = rows.device
-    cu = real_cu_seq_lens.to(device)
-    offs = doc_pool_offset.to(device)
+    cu = to_device(real_cu_seq_lens, device)
+    offs = to_device(doc_pool_offset, device)
     num_real = cu[-1]
     padding = rows >= num_real
     safe = torch.where(padding, torch.zeros_like(rows), rows)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .._device import to_device
 from .._env import env_int
 from .._probe import probe
 from ..selection import assemble, output_width, row_meta, select_pools
@@ -237,10 +238,7 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -
     the pool range of each chunk ``[n_chunks, 2]`` in **one** host-to-device copy, then
     ``pool_tok_start [P]`` built on the device (all int64, as :func:`pool_table`).
 
-    On CUDA the copy is made from pinned memory without blocking: from pageable memory the
-    host waited for every kernel queued before it (measured on the H200 host: the whole of
-    a 20 ms device sleep queued before the call), so the device ran dry while the host
-    then queued the call."""
+    The copy does not make the host wait for the device (:func:`sp_kpool._device.to_device`)."""
     seq, device, K = problem.seq, problem.device, problem.kpool
     cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
     offs = [0]
@@ -261,12 +259,7 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -
             grid.append((g0, g1, offs[d0], offs[d1] + (g1 - 1 - cu[d1] + 1) // K))
     shift = [cu[d] - offs[d] * K for d in range(len(cu) - 1)]  # pool p of doc d starts at shift[d] + p * K
     host = torch.tensor(cu + offs + shift + [v for _, _, lo, hi in grid for v in (lo, hi)], dtype=torch.int64)
-    if device.type == "cuda":
-        # torch's caching host allocator reuses a pinned block once the copies that read it
-        # are done, so the host never waits here
-        flat = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host).to(device, non_blocking=True)
-    else:
-        flat = host.to(device)
+    flat = to_device(host, device)
     n = len(cu)
     cu_d, offs_d, shift_d, bounds = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n - 1], flat[3 * n - 1 :].view(-1, 2)
     pid = torch.arange(P, device=device)

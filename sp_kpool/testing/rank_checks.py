@@ -63,12 +63,16 @@ def sharded_vs_world1(
 
 
 def bad_input_on_one_rank(rank: int, world_size: int, case: str) -> str:
-    """Give one rank (the last) bad input; return the message this rank raised."""
-    x = make_inputs([23], heads=8, head_dim=16, kpool=4, seed=1)
+    """Give one rank (the last) bad input; return the message this rank raised. Case
+    ``"budget"``: every rank passes a logits budget too small for one row, on 5 tokens (with
+    4 ranks, the last shard holds only padding)."""
+    x = make_inputs([5] if case == "budget" else [23], heads=8, head_dim=16, kpool=4, seed=1)
     seq = ShardedSequence.split(x.cu_seq_lens, world_size=world_size, rank=rank)
     args = shard_inputs(x, seq)
     topk = 8
     last = rank == world_size - 1
+    if case == "budget":
+        args["max_logits_bytes"] = 2
     if case == "shape" and last:
         args["k"] = args["k"][:, :-1]
     if case == "topk" and last:

@@ -36,3 +36,11 @@ def test_bad_input_on_one_rank_fails_on_every_rank_alike(case, text):
     messages = run_ranks(bad_input_on_one_rank, 3, (case,), timeout=120)
     assert len(set(messages)) == 1, messages
     assert text in messages[0], messages[0]
+
+
+def test_logits_budget_too_small_fails_on_every_rank_alike():
+    # 4 ranks on 5 tokens: the last shard holds only padding and scores nothing, yet it
+    # raises the same error as the others
+    messages = run_ranks(bad_input_on_one_rank, 4, ("budget",), timeout=120)
+    assert len(set(messages)) == 1, messages
+    assert "max_logits_bytes: expected at least" in messages[0], messages[0]

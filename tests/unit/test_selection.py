@@ -323,3 +323,39 @@ def test_reference_slice_problem_is_rank_3_of_4():
                            max_logits_bytes=default_max_logits_bytes("cpu"))  # fmt: skip
     assert (p.seq.shard_start, p.seq.shard_end, p.precision, p.max_logits_bytes) == (48, 64, "fp8", q.max_logits_bytes)
     assert torch.equal(p.q, q.q) and torch.equal(p.k, q.k)
+
+
+def test_default_path_pools_once_in_the_driver(monkeypatch):
+    # gather="keys" without balance: kpool_topk leaves pooling to the driver, which pools
+    # once from the table it stages on the device (equal to pool_table), with no second
+    # host-to-device copy of the table
+    import sp_kpool.backends.base as base
+    from sp_kpool.backends import BACKENDS
+
+    be = BACKENDS["torch"]
+    seen, staged = [], []
+    orig_pool, orig_stage = type(be).pool, base.stage_tables
+
+    def pool(self, problem, pts):
+        seen.append(pts)
+        return orig_pool(self, problem, pts)
+
+    def stage_tables(*args):
+        staged.append(orig_stage(*args))
+        return staged[-1]
+
+    monkeypatch.setattr(type(be), "pool", pool)
+    monkeypatch.setattr(base, "stage_tables", stage_tables)
+    x = make_inputs([37, 4, 50], heads=4, head_dim=16, kpool=4, seed=3)
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
+    kpool_topk(**shard_inputs(x, seq), seq=seq, topk=8, backend="torch")
+    assert len(seen) == 1 and len(staged) == 1
+    assert seen[0] is staged[0].pool_tok_start
+    assert torch.equal(seen[0], pool_table(seq.real_cu_seq_lens, 4)[0])
+
+
+def test_to_device_returns_a_tensor_already_there():
+    from sp_kpool._device import to_device
+
+    t = torch.arange(5)
+    assert to_device(t, "cpu") is t and to_device(t, torch.device("cpu")) is t
