@@ -214,7 +214,8 @@ def causal_partition(
         kpool: pool size ``K``.
         world_size, shard_size: the contiguous split being balanced (rank ``r`` owns rows
             ``[r * shard_size, (r + 1) * shard_size)``).
-        block: boundaries are multiples of it (except the last, the number of real rows).
+        block: boundaries are multiples of it or the number of real rows (the last one,
+            and those of trailing ranks left without rows).
         row_cost: the per-row constant of the work model.
 
     Every boundary is the aligned row whose prefix work is nearest its ideal

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sp_kpool import ShardedSequence, kpool_topk
@@ -38,7 +38,8 @@ def _check_partition(part, n, world_size, shard_size, block):
     assert sum(part.work) == part.total == sum(part.contiguous_work)
     contiguous = tuple(min(r * shard_size, n) for r in range(world_size)) + (n,)
     if part.applied:
-        assert all(x % block == 0 for x in b[:-1]), (b, block)
+        # multiples of the block, or the end (trailing ranks may get no rows)
+        assert all(x % block == 0 or x == n for x in b[:-1]), (b, block)
         # within one aligned row-block of the ideal
         assert max(part.work) * world_size <= part.total + world_size * part.max_block_work, part
         assert max(part.work) < max(part.contiguous_work)
@@ -59,6 +60,7 @@ def _layouts(draw):
 
 @settings(max_examples=60, deadline=None)
 @given(_layouts())
+@example(([24, 83, 162], 1, 8, 40))  # trailing ranks without rows start at the end (found by hypothesis)
 def test_partition_is_aligned_balanced_or_declined(layout):
     lengths, kpool, world_size, block = layout
     n = sum(lengths)
