@@ -79,6 +79,12 @@ def ceilings():
     return out
 
 
+def launch_kwargs(opts):
+    """``{'name': value}`` of ``['name=value', ...]``: integers where the value is one, else
+    the string (``search=split``)."""
+    return {n: int(v) if v.lstrip("-").isdigit() else v for n, v in (o.split("=", 1) for o in opts)}
+
+
 def causal_pairs(p):
     starts, offs = pool_table(p.seq.real_cu_seq_lens, p.kpool)
     m = row_meta(torch.arange(p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)), p.seq.real_cu_seq_lens, offs, p.kpool)
@@ -189,7 +195,7 @@ def main():
     ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads[:bq[:clean]],...' to time first")
     ap.add_argument("--select-configs", default="",
                     help="selector launches 'name=value[+name=value]' (keyword arguments of topk_ascending: capg, ways, "
-                         "maxnreg, ...), comma-separated, timed on the fp8 logits after the default launch and "
+                         "maxnreg, search, min_group, ...), comma-separated, timed on the fp8 logits after the default launch and "
                          "compared with its answer (a repeated launch is timed again)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -263,7 +269,7 @@ def main():
                 if args.select_configs:  # other launches of the selector on the same logits, same answer?
                     ref = topk_ascending(logits, s, e, zero, 512)
                     for cfg in args.select_configs.split(","):
-                        kw = {n: int(v) for n, v in (o.split("=", 1) for o in cfg.split("+"))}
+                        kw = launch_kwargs(cfg.split("+"))
                         same = torch.equal(topk_ascending(logits, s, e, zero, 512, **kw), ref)
                         ms = bench(lambda: topk_ascending(logits, s, e, zero, 512, **kw), reps=5)  # noqa: B023
                         runs = row.setdefault("triton_topk_512_configs", {})

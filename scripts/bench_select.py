@@ -30,7 +30,7 @@ from sp_kpool.selection import _ascending, topk_pools  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import bench as _bench  # noqa: E402
-from bench_kernels import log, save  # noqa: E402
+from bench_kernels import launch_kwargs, log, save  # noqa: E402
 
 
 def bench(fn):
@@ -63,9 +63,9 @@ def exact(s, ends, k, base):
 def launch(cfg, sms):
     """Keyword arguments of ``topk_ascending`` for ``'warps:ways:maxnreg[:tile[:per_sm]]'`` or
     ``'default'``, either followed by ``+name=value`` keyword arguments passed as they are
-    (e.g. ``default+capg=1024``)."""
+    (e.g. ``default+capg=1024``, ``default+search=split+min_group=8``)."""
     cfg, *opts = cfg.split("+")
-    extra = {name: int(value) for name, value in (o.split("=", 1) for o in opts)}
+    extra = launch_kwargs(opts)
     if cfg == "default":
         return extra
     vals = [int(x) for x in cfg.split(":")] + [0, 0]

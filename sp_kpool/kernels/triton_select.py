@@ -11,15 +11,16 @@ scratch area in global memory, which stays in L2):
 1. Keys: the FP32 bits mapped to a monotone int32; cells outside ``[start, end)`` or at
    ``-inf`` or NaN get ``INT32_MIN`` (invisible). One pass over the row stores the maxima
    of groups of ``G`` aligned adjacent columns (``G`` = 8 up to 65536 columns, then 16, 32,
-   ...) and counts the visible cells. Whole groups are read with vector loads (the
+   ...; ``min_group=4``: 4 up to 32768). Whole groups are read with vector loads (the
    launcher runs rows whose last group would end past the tensor's storage from a padded
    copy); tiles inside ``[start, end)`` take a path without masks that converts only the
-   group maxima to keys.
+   group maxima to keys. Nothing is counted here.
 2. ``L``: a value with at least ``k`` and at most ``capg`` (default: the power of two
    ``>= k``) group maxima ``>= L``, by a search over the maxima in registers that stops
    early. At least ``k`` keys are ``>= L``, so the ``k``-th best key ``T`` is ``>= L``,
-   and every cell of the answer lies in a group with maximum ``>= L``. Those groups' ids
-   are compacted in column order.
+   and every cell of the answer lies in a group with maximum ``>= L``. With fewer than
+   ``k`` visible groups, ``L`` admits every visible cell (there may be ``k`` or fewer:
+   phase 3 then selects them all). Those groups' ids are compacted in column order.
 3. Their cells (read again) hold the answer: ``T`` by the same search, stopped as soon as
    exactly ``k`` keys are at or above it; then the keys above ``T`` and the first keys
    equal to ``T`` in column order, written in column order. Up to ``capg`` groups the
@@ -28,12 +29,16 @@ scratch area in global memory, which stays in L2):
 
 The searches count two thresholds per block reduction by default (``ways=3``): on an H200
 a row's time is bound by the number of dependent block reductions (barriers) as much as by
-its arithmetic. Launches of up to 8 warps cap registers at 80 per thread (3 programs per SM
+its arithmetic. Their bracket arithmetic is 32-bit (offset binary) and their loops end
+with the search (``while``), and the scratch is read with unmasked vector loads: the
+seventh session's Nsight Compute profile found 64-bit steps (a quarter of all
+instructions), fixed-length loops and scalar masked loads of the group maxima (4x their
+L2 sectors). Launches of up to 8 warps cap registers at 80 per thread (3 programs per SM
 instead of 1), and index tensors are rebuilt per row so that the compiler cannot keep them
 live across the row loop. Prefix counts use a scan over group sums plus a scan inside each
 group: one long scan over a tile is slow in Triton (a barrier per register chunk).
 
-Rows with at most ``k`` visible cells select all of them. :func:`expand_pools` turns
+:func:`expand_pools` turns
 selected pools into token ids, adds the tail and writes either column layout.
 
 Imports Triton: import this module only where Triton is available.
@@ -68,19 +73,28 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _sizes(W: int, k: int, tile: int, capg: int | None):
-    """``(tile, group, ng, capg)`` of a launch for rows of width ``W``."""
+def _sizes(W: int, k: int, tile: int, capg: int | None, min_group: int = 8):
+    """``(tile, group, ng, capg)`` of a launch for rows of width ``W``.
+
+    ``group``: the smallest power of two ``>= min_group`` that makes at most 8192 groups.
+    ``capg`` (default): ``pow2(k) * 8 / group`` for groups of fewer than 8 columns, else
+    ``pow2(k)``, so that the candidate block (``capg * group`` cells) is ``8 * pow2(k)``
+    cells either way; with groups of 4 columns, phase 2 may stop with up to twice ``k``
+    candidate groups, which takes far fewer search steps (on an H200: much faster on rows
+    with many near-ties, slower on random scores and on DeepGEMM logits, whose phases 1
+    and 3 handle twice the groups)."""
     tile = min(_pow2(tile), _pow2(max(W + 8, 16)))
-    group = max(8, min(tile // 8, _pow2(-(-max(W, 1) // _MAX_GROUPS))))
+    group = max(_pow2(min_group), min(tile // 8, _pow2(-(-max(W, 1) // _MAX_GROUPS))))
     # groups are aligned to multiples of `group` columns: a row [a, e) within W columns
-    # touches at most cdiv(W, group) of them
-    ng = max(_pow2(-(-max(W, 1) // group)), group)
-    return tile, group, ng, _pow2(capg or k)
+    # touches at most cdiv(W, group) of them; phase 2 holds them as [ng / gl, gl]
+    ng = max(_pow2(-(-max(W, 1) // group)), group, 8)
+    default_capg = _pow2(k) * max(1, 8 // group)
+    return tile, group, ng, _pow2(capg or default_capg)
 
 
-def _default_warps(W: int, k: int) -> int:
+def _default_warps(W: int, k: int, min_group: int = 8) -> int:
     """Warps per program: 16 candidate cells per thread, 4 to 16 warps."""
-    _, group, _, capg = _sizes(W, k, 4096, None)
+    _, group, _, capg = _sizes(W, k, 4096, None, min_group)
     return min(16, max(4, capg * group // 512))
 
 
@@ -117,11 +131,15 @@ def load_keys(srow, g0, tg, gok, a, e):
 
 
 @triton.jit
-def candidate_keys(cbase, c0, idx, nc, srow, a0, tg, a, e, G: tl.constexpr):
+def candidate_keys(cbase, c0, idx, nc, srow, a0, tg, a, e, G: tl.constexpr, MASKED: tl.constexpr):
     """Keys and columns of the candidate groups ``c0 + idx`` (their ids are at ``cbase``;
-    ``nc`` of them exist), ``INT32_MIN`` past the last."""
+    ``nc`` of them exist), ``INT32_MIN`` past the last. ``MASKED=False``: the ids are read
+    without a mask (vector loads; the caller owns ``cbase[c0 + idx]`` for every ``idx``)."""
     ok = c0 + idx < nc
-    gid = tl.load(cbase + c0 + idx, mask=ok, other=0)
+    if MASKED:
+        gid = tl.load(cbase + c0 + idx, mask=ok, other=0)
+    else:
+        gid = tl.where(ok, tl.load(cbase + c0 + idx), 0)
     key, cols = load_keys(srow, a0 + gid * G, tg, ok, a, e)
     return tl.where(ok[:, None], key, -2147483648), cols
 
@@ -146,39 +164,109 @@ def count_ge2(vals, m1, m2):
 
 
 @triton.jit
+def to_offset(x):
+    """int32 key -> uint32 of the same order (offset binary)."""
+    return x.to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit
+def from_offset(u):
+    return (u ^ 0x80000000).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2):
     """Search for ``x >= lo`` with ``count(vals >= x) >= k``, stopping as soon as that
     count is ``<= stop`` (``stop = k``: the exact ``k``-th largest value, or a value with
     exactly ``k`` values at or above it). Returns ``(x, count(vals >= x), count(vals > x))``;
     the last is exact only where the first count is ``> stop`` (then ``x`` is the ``k``-th
-    largest value). The caller guarantees ``count(vals >= lo) >= k`` or accepts ``lo``.
+    largest value). The caller guarantees ``count(vals >= lo) >= k`` or accepts ``lo``;
+    ``vals`` (int32) are below ``INT32_MAX``, ``lo`` is an int32 scalar.
 
     ``WAYS = 2``: bisection. ``WAYS = 3`` / ``5``: each step splits ``[lo, hi)`` at two /
     four points counted in one reduction: fewer block reductions (barriers), more
     arithmetic."""
-    lo = lo.to(tl.int64)
-    hi = tl.max(vals).to(tl.int64) + 1
-    cnt_lo = tl.sum((vals >= lo.to(tl.int32)).to(tl.int32))
+    cnt_lo = tl.sum((vals >= lo).to(tl.int32))
     cnt_hi = tl.full((), 0, tl.int32)
-    if WAYS == 2:
-        for _ in range(32):
-            if (hi - lo > 1) & (cnt_lo > stop):
-                mid = lo + (hi - lo) // 2
-                cnt = tl.sum((vals >= mid.to(tl.int32)).to(tl.int32))
-                lo, cnt_lo, hi, cnt_hi = narrow(k, lo, cnt_lo, hi, cnt_hi, mid, cnt)
-    elif WAYS == 3:
-        for _ in range(21):  # 3**21 > 2**32
-            if (hi - lo > 1) & (cnt_lo > stop):
-                m1 = lo + tl.maximum((hi - lo) // 3, 1)  # lo < m1 <= m2 < hi
-                m2 = lo + tl.maximum(((hi - lo) * 2) // 3, 1)
-                c1, c2 = count_ge2(vals, m1, m2)
-                lo, cnt_lo, hi, cnt_hi = narrow2(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2)
+    if WAYS == 5:
+        lo = lo.to(tl.int64)
+        hi = tl.max(vals).to(tl.int64) + 1
+        while (hi - lo > 1) & (cnt_lo > stop):
+            m1, m2, m3, m4 = split5(lo, hi)
+            c1, c2, c3, c4 = count_ge4(vals, m1, m2, m3, m4)
+            lo, cnt_lo, hi, cnt_hi = narrow4(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2, m3, c3, m4, c4)
+        lo = lo.to(tl.int32)
     else:
-        for _ in range(16):  # 5**14 > 2**32
-            if (hi - lo > 1) & (cnt_lo > stop):
-                m1, m2, m3, m4 = split5(lo, hi)
-                c1, c2, c3, c4 = count_ge4(vals, m1, m2, m3, m4)
-                lo, cnt_lo, hi, cnt_hi = narrow4(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2, m3, c3, m4, c4)
+        # 32-bit arithmetic in offset binary (``key ^ INT32_MIN`` as uint32: the same order,
+        # no overflow while lo < hi <= max + 1): half the instructions of 64-bit steps
+        lo = to_offset(lo)
+        hi = to_offset(tl.max(vals)) + 1  # keys are < INT32_MAX (NaN is invisible)
+        while (hi - lo > 1) & (cnt_lo > stop):
+            d = (hi - lo) // WAYS
+            m1 = lo + tl.maximum(d, 1)  # lo < m1 <= m2 < hi
+            m2 = lo + tl.maximum(d * (WAYS - 1), 1)
+            if WAYS == 2:
+                c1 = tl.sum((vals >= from_offset(m1)).to(tl.int32))
+                lo, cnt_lo, hi, cnt_hi = narrow(k, lo, cnt_lo, hi, cnt_hi, m1, c1)
+            else:
+                c1, c2 = count_ge2(vals, from_offset(m1), from_offset(m2))
+                lo, cnt_lo, hi, cnt_hi = narrow2(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2)
+        lo = from_offset(lo)
+    return lo, cnt_lo, cnt_hi
+
+
+@triton.jit
+def _max_min_sum(a_max, a_min, a_n, b_max, b_min, b_n):
+    return tl.maximum(a_max, b_max), tl.minimum(a_min, b_min), a_n + b_n
+
+
+@triton.jit
+def kth_interp(vals, k, floor, stop):
+    """The search of :func:`kth_largest` (same result and meaning), by safeguarded
+    interpolation: ``x`` with ``count(vals >= x) >= k``, the count at most ``stop`` where
+    the values allow, searched among ``x >= floor`` (``vals`` below ``floor`` are ignored;
+    the caller guarantees ``count(vals >= floor) >= k`` or accepts the smallest value
+    ``>= floor``). Returns ``(x, count(vals >= x), count(vals > x))``, the last exact only
+    where the first count is ``> stop``.
+
+    The bracket ``[lo, hi)`` starts at the smallest and the largest value ``>= floor`` (one
+    reduction). Each step counts at two points in one reduction: where a straight line
+    through ``(lo, count(>= lo))`` and ``(hi, count(>= hi))`` puts the counts ``stop`` and
+    ``k``, each widened by one standard deviation of the count (``sqrt(n f (1 - f))`` for
+    ``n`` values in the bracket) and half a value. A step that does not shrink the bracket
+    to a third, or an interpolated bracket wider than two thirds, is followed by (or
+    replaced with) a split in thirds, so the bracket shrinks at least threefold every two
+    steps. Random scores take about 2 steps to reach a window
+    ``[k, 2k]`` of 8192 groups and about 6 to the exact ``k``-th of the candidate cells,
+    against about 6 and 7 for splits in thirds (a simulation over normal and ReLU-sum
+    scores; the GPU timings are in ``benchmarks/results``)."""
+    v = tl.reshape(vals, (vals.numel,), can_reorder=True)  # one reduction over all values
+    ok = v >= floor
+    top, low, n_lo = tl.reduce((v, tl.where(ok, v, 2147483647), ok.to(tl.int32)), 0, _max_min_sum)
+    lo = low.to(tl.int64)
+    cnt_lo = n_lo
+    hi = top.to(tl.int64) + 1
+    cnt_hi = tl.full((), 0, tl.int32)
+    split = tl.full((), 0, tl.int32)
+    while (hi - lo > 1) & (cnt_lo > stop):
+        w = hi - lo
+        n = (cnt_lo - cnt_hi).to(tl.float32)  # >= 1: cnt_lo > stop >= k > cnt_hi
+        r = tl.fdiv(1.0, n, ieee_rounding=False)
+        d_hi = (cnt_lo - k).to(tl.float32)  # the count may drop by at most this ...
+        d_lo = (cnt_lo - stop).to(tl.float32)  # ... and must drop by at least this
+        f = d_hi * r
+        sd = tl.sqrt(n * f * (1.0 - f))
+        wf = w.to(tl.float32) * r
+        m1 = lo + (wf * tl.maximum(d_lo - sd - 0.5, 0.0)).to(tl.int64)
+        m2 = lo + (wf * tl.minimum(d_hi + sd + 0.5, n)).to(tl.int64) + 1
+        m1 = tl.minimum(tl.maximum(m1, lo + 1), hi - 1)  # lo < m1 <= m2 < hi
+        m2 = tl.minimum(tl.maximum(m2, m1), hi - 1)
+        thirds = (split == 1) | ((m2 - m1) * 3 > w * 2)
+        m1 = tl.where(thirds, lo + tl.maximum(w // 3, 1), m1)
+        m2 = tl.where(thirds, lo + tl.maximum((w * 2) // 3, 1), m2)
+        c1, c2 = count_ge2(vals, m1, m2)
+        lo, cnt_lo, hi, cnt_hi = narrow2(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2)
+        split = ((split == 0) & ((hi - lo) * 3 > w)).to(tl.int32)
     return lo.to(tl.int32), cnt_lo, cnt_hi
 
 
@@ -224,13 +312,14 @@ def positions(f):
 @triton.jit
 def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gmax, Cand, R, k, nprog,
                   TILE: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, CAPG: tl.constexpr, KP: tl.constexpr,
-                  PHASES: tl.constexpr, WAYS: tl.constexpr, SB: tl.constexpr):
+                  PHASES: tl.constexpr, WAYS: tl.constexpr, SB: tl.constexpr, GL: tl.constexpr, CW: tl.constexpr,
+                  INTERP: tl.constexpr):
     # PHASES < 4 stops after that phase (timing of the phases only; the output is wrong)
     MINK: tl.constexpr = -2147483648
     NB: tl.constexpr = TILE // G
     pid = tl.program_id(0)
     gbase = Gmax + pid.to(tl.int64) * NG
-    cbase = Cand + pid.to(tl.int64) * NG
+    cbase = Cand + pid.to(tl.int64) * CW  # CW >= max(NG, CAPG): unmasked candidate-id loads stay in the row
     for row in range(pid, R, nprog):
         a = tl.load(starts_ptr + row)
         # z is 0 (starts are >= 0) but unknown to the compiler: index tensors built from it
@@ -239,7 +328,8 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
         z = tl.where(a < 0, a, 0) * 16
         tb = tl.arange(0, NB) + z
         tg = tl.arange(0, G) + z
-        gb = tl.arange(0, NG // G) + z
+        gb = tl.arange(0, NG // GL) + z
+        gl = tl.arange(0, GL) + z
         cg = tl.arange(0, CAPG) + z
         sg = tl.arange(0, SB) + z
         kofs = tl.arange(0, KP) + z
@@ -249,35 +339,36 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
         srow = S + tl.cast(row, tl.int64) * stride_s
         orow = Out + tl.cast(row, tl.int64) * stride_o
         tl.debug_barrier()  # the previous row is done with the scratch
-        # 1. maxima of the groups of G columns, and the visible count
-        nv = tl.zeros((NB,), tl.int32)  # one reduction per row, not per tile
+        # 1. maxima of the groups of G columns (INT32_MIN: no visible cell)
         for t0 in range(a0, e, TILE):
             g0 = t0 + tb * G
             if (t0 >= a) & (t0 + TILE <= e):
                 # a tile inside [a, e) (most of them): no masks, maxima of floats, one key
                 # per group
                 v = tl.load(srow + g0[:, None] + tg[None, :])
-                vis = v > float("-inf")  # NaN: invisible
-                nv += tl.sum(vis.to(tl.int32), axis=1)
-                m = tl.max(tl.where(vis, v, float("-inf")), axis=1)
+                m = tl.max(tl.where(v > float("-inf"), v, float("-inf")), axis=1)  # NaN: invisible
                 gmax = row_keys(m, m == m)
             else:
                 key, _c = load_keys(srow, g0, tg, g0 < e, a, e)
-                nv += tl.sum((key > MINK).to(tl.int32), axis=1)
                 gmax = tl.max(key, axis=1)
             gidx = (t0 - a0) // G + tb
             tl.store(gbase + gidx, gmax, mask=gidx < NG)
-        nvis = tl.sum(nv)
-        nsel = tl.minimum(nvis, k)
-        if (nvis > k) & (PHASES >= 2):
+        nsel = tl.full((), 0, tl.int32)
+        if (e > a) & (PHASES >= 2):
             tl.debug_barrier()
             ngroups = tl.cdiv(e - a0, G)
-            gi = gb[:, None] * G + tg[None, :]  # group ids as [NG / G, G]
-            gm = tl.load(gbase + gi, mask=gi < ngroups, other=MINK)
+            gi = gb[:, None] * GL + gl[None, :]  # group ids as [NG / GL, GL]
+            # unmasked (vector loads); the scratch past the row's groups holds stale values
+            gm = tl.where(gi < ngroups, tl.load(gbase + gi), MINK)
             # 2. L: at least k group maxima are >= L, so the k-th key T is >= L and every
             # key of the answer lies in a group whose maximum is >= L (the search stops as
-            # soon as at most CAPG groups qualify)
-            low = tl.maximum(kth_largest(gm, k, tl.full((), MINK, tl.int32), CAPG, WAYS)[0], MINK + 1)
+            # soon as at most CAPG groups qualify). Fewer than k visible groups: L admits
+            # every visible cell (whose count may be at most k: then all are selected).
+            if INTERP:
+                low, n_low, _n = kth_interp(gm, k, MINK + 1, CAPG)
+                low = tl.where(n_low >= k, low, MINK + 1)
+            else:
+                low = tl.maximum(kth_largest(gm, k, tl.full((), MINK, tl.int32), CAPG, WAYS)[0], MINK + 1)
             if PHASES >= 3:
                 # 3. those groups' ids, in column order
                 f = (gm >= low).to(tl.int32)
@@ -288,13 +379,17 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                     if nc <= CAPG:
                         # 4. their keys in registers: T, then the keys above T and the first
                         # keys equal to T (ties toward the lower column), in column order
-                        key, cols = candidate_keys(cbase, 0, cg, nc, srow, a0, tg, a, e, G)
-                        t, n_ge, n_gt = kth_largest(key, k, low, k, WAYS)
+                        key, cols = candidate_keys(cbase, 0, cg, nc, srow, a0, tg, a, e, G, False)
+                        if INTERP:
+                            t, n_ge, n_gt = kth_interp(key, k, low, k)
+                        else:
+                            t, n_ge, n_gt = kth_largest(key, k, low, k, WAYS)
                         sel = key >= t
                         if n_ge > k:  # ties at T
                             eq = (key == t).to(tl.int32)
                             sel = (key > t) | ((eq == 1) & (positions(eq) <= k - n_gt))
                         tl.store(orow + positions(sel.to(tl.int32)) - 1, (pbase + cols).to(tl.int32), mask=sel)
+                        nsel = tl.minimum(n_ge, k)  # n_ge <= k: every visible cell
                     else:
                         # 4'. more than CAPG groups (long runs of equal scores): the same
                         # search, streaming the groups in blocks of SB >= CAPG (from L2)
@@ -302,42 +397,33 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                         hi = tl.max(gm).to(tl.int64) + 1
                         cnt_lo = k + 1  # count(key >= low) > k is all the loop needs
                         cnt_hi = tl.full((), 0, tl.int32)
-                        for _ in range(16):  # 5**14 > 2**32
-                            if (hi - lo > 1) & (cnt_lo > k):
-                                m1, m2, m3, m4 = split5(lo, hi)
-                                c1 = tl.full((), 0, tl.int32)
-                                c2 = tl.full((), 0, tl.int32)
-                                c3 = tl.full((), 0, tl.int32)
-                                c4 = tl.full((), 0, tl.int32)
-                                for c0 in range(0, nc, SB):
-                                    key, cols = candidate_keys(cbase, c0, sg, nc, srow, a0, tg, a, e, G)
-                                    d1, d2, d3, d4 = count_ge4(key, m1, m2, m3, m4)
-                                    c1 += d1
-                                    c2 += d2
-                                    c3 += d3
-                                    c4 += d4
-                                lo, cnt_lo, hi, cnt_hi = narrow4(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2, m3, c3, m4, c4)
+                        while (hi - lo > 1) & (cnt_lo > k):
+                            m1, m2, m3, m4 = split5(lo, hi)
+                            c1 = tl.full((), 0, tl.int32)
+                            c2 = tl.full((), 0, tl.int32)
+                            c3 = tl.full((), 0, tl.int32)
+                            c4 = tl.full((), 0, tl.int32)
+                            for c0 in range(0, nc, SB):
+                                key, cols = candidate_keys(cbase, c0, sg, nc, srow, a0, tg, a, e, G, True)
+                                d1, d2, d3, d4 = count_ge4(key, m1, m2, m3, m4)
+                                c1 += d1
+                                c2 += d2
+                                c3 += d3
+                                c4 += d4
+                            lo, cnt_lo, hi, cnt_hi = narrow4(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2, m3, c3, m4, c4)
                         t = lo.to(tl.int32)
                         need = k - cnt_hi  # keys equal to T to take (count(key > T) = cnt_hi)
                         n_out = tl.full((), 0, tl.int32)
                         n_eq = tl.full((), 0, tl.int32)
                         for c0 in range(0, nc, SB):
-                            key, cols = candidate_keys(cbase, c0, sg, nc, srow, a0, tg, a, e, G)
+                            key, cols = candidate_keys(cbase, c0, sg, nc, srow, a0, tg, a, e, G, True)
                             eq = (key == t).to(tl.int32)
                             sel = (key > t) | ((eq == 1) & (n_eq + positions(eq) <= need))
                             si = sel.to(tl.int32)
                             tl.store(orow + n_out + positions(si) - 1, (pbase + cols).to(tl.int32), mask=sel)
                             n_out += tl.sum(si)
                             n_eq += tl.sum(eq)
-        elif PHASES >= 4:
-            # at most k visible cells: all of them, in column order
-            n_out = tl.full((), 0, tl.int32)
-            for t0 in range(a0, e, TILE):
-                g0 = t0 + tb * G
-                key, cols = load_keys(srow, g0, tg, g0 < e, a, e)
-                si = (key > MINK).to(tl.int32)
-                tl.store(orow + n_out + positions(si) - 1, (pbase + cols).to(tl.int32), mask=si == 1)
-                n_out += tl.sum(si)
+                        nsel = tl.full((), 0, tl.int32) + k
         tl.store(orow + kofs, tl.full((KP,), -1, tl.int32), mask=(kofs >= nsel) & (kofs < k))
 
 
@@ -401,6 +487,8 @@ def topk_ascending(
     ways: int = 3,
     maxnreg: int | None = None,
     phases: int = 4,
+    search: str = "split",
+    min_group: int = 8,
 ) -> torch.Tensor:
     """The exact Top-K of each row, in ascending column order.
 
@@ -418,7 +506,15 @@ def topk_ascending(
         capg: capacity in candidate groups held in registers (a power of two >= k; default
             the power of two ``>= k``); rows with more candidate groups stream them in blocks
             of at least 256 groups (tests use a small ``capg`` to reach that path).
-        ways: thresholds counted per block reduction of the searches, plus one (2, 3 or 5).
+        ways: thresholds counted per block reduction of the split searches, plus one (2, 3
+            or 5); the streamed path always uses 5.
+        search: ``"split"`` (default): the searches of phases 2 and 4 split the bracket
+            in ``ways`` (:func:`kth_largest`); ``"interp"``: they interpolate
+            (:func:`kth_interp`: fewer steps, more arithmetic per step; not faster on an
+            H200).
+        min_group: smallest group of columns (4 or 8, default 8; wider rows get wider
+            groups, up to 8192 per row). With 4 and the default ``capg``, phase 2 may stop
+            with up to ``2 pow2(k)`` candidate groups.
         maxnreg: register cap per thread passed to the compiler (more programs per SM,
             some spilling); default 80 for up to 8 warps, else the compiler's choice; ``0``:
             the compiler's choice.
@@ -435,6 +531,10 @@ def topk_ascending(
         raise ValueError(f"k: expected 1 <= k <= {MAX_K}, got {k}")
     if ways not in (2, 3, 5):
         raise ValueError(f"ways: expected 2, 3 or 5, got {ways}")
+    if search not in ("interp", "split"):
+        raise ValueError(f"search: expected 'interp' or 'split', got {search!r}")
+    if min_group not in (4, 8):
+        raise ValueError(f"min_group: expected 4 or 8, got {min_group}")
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     R, W = scores.shape
@@ -443,8 +543,8 @@ def topk_ascending(
     if R == 0:
         return out
     capg_req = capg
-    warps = num_warps or _default_warps(W, k)
-    tile, group, ng, capg = _sizes(W, k, tile or 512 * warps, capg)
+    warps = num_warps or _default_warps(W, k, min_group)
+    tile, group, ng, capg = _sizes(W, k, tile or 512 * warps, capg, min_group)
     if capg < k:
         raise ValueError(f"capg: expected at least k = {k}, got {capg_req}")
     if capg * group > _MAX_BLOCK:
@@ -460,7 +560,7 @@ def topk_ascending(
     # streamed candidate blocks: at least 256 groups (small k would make tiny blocks), within the block limit
     sb = max(capg, min(256, _MAX_BLOCK // group))
     consts = dict(TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), PHASES=phases, WAYS=ways, SB=sb,
-                  num_warps=warps)  # fmt: skip
+                  GL=max(group, 8), CW=max(ng, capg), INTERP=search == "interp", num_warps=warps)  # fmt: skip
     maxnreg = _DEFAULT_MAXNREG if maxnreg is None and warps <= 8 else maxnreg
     if maxnreg:
         consts["maxnreg"] = maxnreg
@@ -505,9 +605,9 @@ def _launch(scores, starts, ends, base, out, consts, programs):
         if programs is None:
             programs = occ["sms"] * occ["per_sm"]
     progs = max(1, min(R, programs or 4))
-    last_launch.update(programs=progs, **{n: consts[n] for n in ("TILE", "G", "NG", "CAPG", "SB", "WAYS", "num_warps")})
+    last_launch.update(programs=progs, **{n: consts[n] for n in ("TILE", "G", "NG", "CAPG", "SB", "WAYS", "INTERP", "num_warps")})
     gmax = torch.empty((progs, consts["NG"]), dtype=torch.int32, device=dev)
-    cand = torch.empty((progs, consts["NG"]), dtype=torch.int32, device=dev)
+    cand = torch.empty((progs, consts["CW"]), dtype=torch.int32, device=dev)
     select_kernel[(progs,)](*args, gmax, cand, R, k, progs, **consts)
 
 

@@ -86,6 +86,10 @@ def test_bad_arguments():
         ts.topk_ascending(s.double(), base, base + 8, base, 2)
     with pytest.raises(ValueError, match="ways: expected"):
         ts.topk_ascending(s, base, base + 8, base, 2, ways=4)
+    with pytest.raises(ValueError, match="search: expected 'interp' or 'split', got 'radix'"):
+        ts.topk_ascending(s, base, base + 8, base, 2, search="radix")
+    with pytest.raises(ValueError, match="min_group: expected 4 or 8, got 2"):
+        ts.topk_ascending(s, base, base + 8, base, 2, min_group=2)
     wide = torch.zeros(1, 140000)
     one = torch.zeros(1, dtype=torch.int64)
     assert ts.supports(70000, 2048) and not ts.supports(140000, 2048)
@@ -160,6 +164,34 @@ def test_multiway_searches(ways, warps):
     starts, ends = torch.tensor([0, 3, 0, 11]), torch.tensor([2000, 1999, 2000, 700])
     run(s, starts, ends, 100, ways=ways, num_warps=warps)
     run(s, starts, ends, 1, ways=ways, num_warps=warps)
+
+
+@pytest.mark.parametrize("mode", [dict(search="interp"), dict(min_group=4), dict(search="interp", min_group=4),
+                                  dict(ways=2), dict(search="interp", min_group=4, capg=512)])
+def test_search_modes_and_group_sizes(mode):
+    # the interpolating search and groups of 4 columns (candidate window up to 2 pow2(k)
+    # groups) on random rows, exact ties, skewed keys, few visible groups and short rows
+    g = torch.Generator().manual_seed(12)
+    n = 2000
+    s = torch.randn(6, n, generator=g)
+    s[1] = torch.randint(-3, 4, (n,), generator=g).float()
+    s[2] = torch.exp(torch.randn(n, generator=g) * 8)
+    s[3] = torch.where(torch.rand(n, generator=g) < 0.99, torch.randn(n, generator=g) * 1e-6, 1e30)
+    s[4] = -float("inf")
+    s[4, 0:600:8] = torch.randn(75, generator=g)
+    s[4, 3:600:8] = torch.randn(75, generator=g)
+    s[5, 1000:] = 2.0
+    starts, ends = torch.tensor([0, 3, 17, 0, 0, 999]), torch.tensor([n, n - 5, 1500, n, n, n])
+    for k in (1, 130, 300):
+        run(s, starts, ends, k, **mode)
+
+
+def test_sizes_of_the_group_modes():
+    # groups of 4: twice the candidate groups, the same candidate block as groups of 8
+    assert ts._sizes(32768, 512, 4096, None) == (4096, 8, 4096, 512)
+    assert ts._sizes(32768, 512, 4096, None, 4) == (4096, 4, 8192, 1024)
+    assert ts._sizes(65536, 512, 4096, None, 4) == (4096, 8, 8192, 512)  # 8192 groups at most
+    assert ts._sizes(1000, 100, 4096, None, 4)[1:] == (4, 256, 256)
 
 
 @pytest.mark.parametrize("kind", ["lognormal", "two_clusters", "denormal_and_huge", "few_groups"])
