@@ -17,7 +17,9 @@ for bit on CPU (gloo), and on an H200 for the TileLang and DeepGEMM kernels.
 from __future__ import annotations
 
 import bisect
+import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,8 @@ from .._probe import probe
 from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
 
-__all__ = ["Problem", "Backend", "stage", "round_rows", "run_chunked", "select_rows", "stage_tables", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]
+__all__ = ["Problem", "Backend", "stage", "round_rows", "run_chunked", "select_rows", "stage_tables", "clear_table_cache",
+           "default_max_logits_bytes", "MAX_CHUNK_ROWS"]  # fmt: skip
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
 MAX_CHUNK_ROWS = 512
@@ -221,7 +224,11 @@ def round_rows(rows: int) -> int:
 
 @dataclass
 class _Staged:
-    """The chunk grid of one driver call and its tables on the device (one copy)."""
+    """The chunk grid of one driver call and its tables on the device (one copy).
+
+    ``ranges`` (the rows' ``[start, end)`` on the chunk grid) and ``meta`` (the rows'
+    :class:`~sp_kpool.selection.RowMeta`) are filled by the driver on first use. Nothing
+    here is written after it is built: cached tables are shared by later calls."""
 
     C: int
     grid: list
@@ -230,6 +237,26 @@ class _Staged:
     cu: torch.Tensor
     offs: torch.Tensor
     bounds: torch.Tensor
+    ranges: torch.Tensor | None = None
+    meta: Any = None
+
+
+_ENV_TABLE_CACHE = "SP_KPOOL_TABLE_CACHE"
+#: Staged tables of recent calls, keyed by everything they depend on (see stage_tables).
+_TABLES: "OrderedDict[tuple, _Staged]" = OrderedDict()
+_TABLES_MAX = 16
+
+
+def clear_table_cache() -> None:
+    """Drop the cached driver tables (:func:`stage_tables`)."""
+    _TABLES.clear()
+
+
+def _table_cache_enabled() -> bool:
+    raw = os.environ.get(_ENV_TABLE_CACHE, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{_ENV_TABLE_CACHE}: expected 0 or 1, got {raw!r}")
+    return raw != "0"
 
 
 def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -> _Staged:
@@ -238,7 +265,14 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -
     the pool range of each chunk ``[n_chunks, 2]`` in **one** host-to-device copy, then
     ``pool_tok_start [P]`` built on the device (all int64, as :func:`pool_table`).
 
-    The copy does not make the host wait for the device (:func:`sp_kpool._device.to_device`)."""
+    The copy does not make the host wait for the device (:func:`sp_kpool._device.to_device`).
+
+    Cached: a later call with the same document boundaries (by value), ``kpool``, chunk
+    rows, row range, device and current CUDA stream gets the same tables (every layer of a
+    step after the first skips this host work, the copy, the small kernels that build
+    ``pool_tok_start`` and, in the driver, the row ranges and row metadata). The tables
+    are read-only. ``$SP_KPOOL_TABLE_CACHE=0`` turns the cache off;
+    :func:`clear_table_cache` empties it."""
     seq, device, K = problem.seq, problem.device, problem.kpool
     cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
     offs = [0]
@@ -248,6 +282,14 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -
     # no complete pools: nothing is scored (select_rows returns -1 rows), so no chunk size
     # (the budget check) and no grid
     C = backend.chunk_rows(problem, P) if P else 1
+    key = None
+    if _table_cache_enabled():
+        stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+        key = (tuple(cu), K, C, lo_row, hi_row, device, stream)
+        hit = _TABLES.get(key)
+        if hit is not None:
+            _TABLES.move_to_end(key)
+            return hit
     grid = []
     if hi_row > lo_row and P:
         def doc(r):  # document of the real row r
@@ -264,7 +306,12 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -
     cu_d, offs_d, shift_d, bounds = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n - 1], flat[3 * n - 1 :].view(-1, 2)
     pid = torch.arange(P, device=device)
     pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
-    return _Staged(C, grid, P, pts, cu_d, offs_d, bounds)
+    staged = _Staged(C, grid, P, pts, cu_d, offs_d, bounds)
+    if key is not None:
+        _TABLES[key] = staged
+        while len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    return staged
 
 
 def _check_query_hooks(backend: Backend) -> None:
@@ -341,12 +388,15 @@ def select_rows(
     # each row's [start, end) relative to its chunk's pool range, laid out on the chunk grid
     # (rows not computed here stay empty): one pass for all chunks, views per chunk
     first = grid[0][0]
-    if device.type == "cuda" and probe("triton")[0] is not None:
-        from ..kernels.triton_select import chunk_row_ranges
+    ranges = staged.ranges
+    if ranges is None:
+        if device.type == "cuda" and probe("triton")[0] is not None:
+            from ..kernels.triton_select import chunk_row_ranges
 
-        ranges = chunk_row_ranges(cu_dev, offs_dev, bounds_dev, lo_row, hi_row, first, C, kpool)
-    else:
-        ranges = row_ranges_torch(cu_dev, offs_dev, bounds_dev, lo_row, hi_row, first, C, kpool)
+            ranges = chunk_row_ranges(cu_dev, offs_dev, bounds_dev, lo_row, hi_row, first, C, kpool)
+        else:
+            ranges = row_ranges_torch(cu_dev, offs_dev, bounds_dev, lo_row, hi_row, first, C, kpool)
+        staged.ranges = ranges
     for i, (g0, g1, lo, hi) in enumerate(grid):
         a, b = max(g0, lo_row), min(g1, hi_row)  # rows of this chunk computed here
         if hi <= lo:
@@ -402,8 +452,10 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
     out[n:].fill_(-1)  # padding rows; assemble writes the others whole
     with stage(problem, "expand"):
         # the rows' metadata only now: its small kernels queue behind the scoring instead of
-        # delaying the first one
-        meta = row_meta(torch.arange(own_lo, own_hi, device=device), cu_dev, offs_dev, kpool)
+        # delaying the first one (once per staged tables)
+        meta = staged.meta
+        if meta is None:
+            meta = staged.meta = row_meta(torch.arange(own_lo, own_hi, device=device), cu_dev, offs_dev, kpool)
         assemble(
             pools,
             meta,

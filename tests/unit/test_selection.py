@@ -359,3 +359,57 @@ def test_to_device_returns_a_tensor_already_there():
 
     t = torch.arange(5)
     assert to_device(t, "cpu") is t and to_device(t, torch.device("cpu")) is t
+
+
+def test_driver_tables_are_cached_by_value_and_give_the_same_answer(monkeypatch):
+    # a second call with the same document boundaries reuses the staged tables (and the
+    # row ranges and row metadata the driver stores on them); other boundaries, another
+    # kpool or an in-place change of cu_seq_lens build new ones; answers are equal to the
+    # uncached driver's
+    import sp_kpool.backends.base as base
+    from sp_kpool.backends import BACKENDS
+    from sp_kpool.testing.problems import rank_slice_problem
+
+    be = BACKENDS["torch"]
+    base.clear_table_cache()
+    built = []
+    orig = base.to_device
+
+    def to_device(t, device):  # the one host-to-device copy of every table build
+        built.append(t)
+        return orig(t, device)
+
+    monkeypatch.setattr(base, "to_device", to_device)
+
+    def call(lengths, kpool=4):  # rank 1 of 2, several chunks
+        p = rank_slice_problem(sum(lengths), 2, 1, heads=2, head_dim=8, kpool=kpool, topk=4 * kpool, lengths=lengths,
+                               device="cpu", max_logits_bytes=2048)  # fmt: skip
+        return be.run(p)
+
+    first = call([37, 4, 50])
+    assert len(built) == 1
+    st = next(reversed(base._TABLES.values()))
+    assert st.ranges is not None and st.meta is not None and len(st.grid) > 1
+    again = call([37, 4, 50])
+    assert len(built) == 1 and torch.equal(first, again)
+    other = call([40, 1, 50])  # same total, other boundaries
+    assert len(built) == 2
+    call([37, 4, 50], kpool=2)
+    assert len(built) == 3
+    monkeypatch.setenv("SP_KPOOL_TABLE_CACHE", "0")
+    assert torch.equal(call([37, 4, 50]), first) and torch.equal(call([40, 1, 50]), other)
+    assert len(built) == 5
+    monkeypatch.setenv("SP_KPOOL_TABLE_CACHE", "yes")
+    with pytest.raises(ValueError, match="SP_KPOOL_TABLE_CACHE: expected 0 or 1, got 'yes'"):
+        call([37, 4, 50])
+    monkeypatch.delenv("SP_KPOOL_TABLE_CACHE")
+    # the key is the boundaries' values: an in-place change of cu_seq_lens is a new key
+    x = make_inputs([37, 4, 50], heads=4, head_dim=16, kpool=4, seed=5)
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
+    n = len(built)
+    kpool_topk(**shard_inputs(x, seq), seq=seq, topk=16, backend="torch")
+    seq.cu_seq_lens[1] = 30  # the same object, other boundaries
+    kpool_topk(**shard_inputs(x, seq), seq=seq, topk=16, backend="torch")
+    assert len(built) == n + 2
+    base.clear_table_cache()
+    assert not base._TABLES
