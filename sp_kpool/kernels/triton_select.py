@@ -20,7 +20,7 @@ scratch area in global memory, which stays in L2):
    early. At least ``k`` keys are ``>= L``, so the ``k``-th best key ``T`` is ``>= L``,
    and every cell of the answer lies in a group with maximum ``>= L``. With fewer than
    ``k`` visible groups, ``L`` admits every visible cell (there may be ``k`` or fewer:
-   phase 3 then selects them all). Those groups' ids are compacted in column order.
+   step 3 then selects them all). Those groups' ids are compacted in column order.
 3. Their cells (read again) hold the answer: ``T`` by the same search, stopped as soon as
    exactly ``k`` keys are at or above it; then the keys above ``T`` and the first keys
    equal to ``T`` in column order, written in column order. Up to ``capg`` groups the
@@ -31,15 +31,15 @@ The searches count two thresholds per block reduction by default (``ways=3``): o
 a row's time is bound by the number of dependent block reductions (barriers) as much as by
 its arithmetic. Their bracket arithmetic is 32-bit (offset binary) and their loops end
 with the search (``while``), and the scratch is read with unmasked vector loads: the
-seventh session's Nsight Compute profile found 64-bit steps (a quarter of all
+seventh session's Nsight Compute profile found 64-bit steps (about a fifth of all
 instructions), fixed-length loops and scalar masked loads of the group maxima (4x their
 L2 sectors). Launches of up to 8 warps cap registers at 80 per thread (3 programs per SM
 instead of 1), and index tensors are rebuilt per row so that the compiler cannot keep them
 live across the row loop. Prefix counts use a scan over group sums plus a scan inside each
 group: one long scan over a tile is slow in Triton (a barrier per register chunk).
 
-:func:`expand_pools` turns
-selected pools into token ids, adds the tail and writes either column layout.
+:func:`expand_pools` turns selected pools into token ids, adds the tail and writes either
+column layout.
 
 Imports Triton: import this module only where Triton is available.
 """
@@ -198,7 +198,10 @@ def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2):
         lo = lo.to(tl.int32)
     else:
         # 32-bit arithmetic in offset binary (``key ^ INT32_MIN`` as uint32: the same order,
-        # no overflow while lo < hi <= max + 1): half the instructions of 64-bit steps
+        # no overflow while lo < hi <= max + 1): half the instructions of 64-bit steps.
+        # lo <= hi on entry (the callers' lo is at most the largest value + 1: the kernel's
+        # phase-4 floor is a candidate group's maximum, or INT32_MIN + 1 with no visible
+        # value), so hi - lo never wraps
         lo = to_offset(lo)
         hi = to_offset(tl.max(vals)) + 1  # keys are < INT32_MAX (NaN is invisible)
         while (hi - lo > 1) & (cnt_lo > stop):
@@ -239,7 +242,8 @@ def kth_interp(vals, k, floor, stop):
     steps. Random scores take about 2 steps to reach a window
     ``[k, 2k]`` of 8192 groups and about 6 to the exact ``k``-th of the candidate cells,
     against about 6 and 7 for splits in thirds (a simulation over normal and ReLU-sum
-    scores; the GPU timings are in ``benchmarks/results``)."""
+    scores). On an H200 it was not faster than :func:`kth_largest` (each step costs more;
+    ``benchmarks/results/2026-11-30-h200-s7``)."""
     v = tl.reshape(vals, (vals.numel,), can_reorder=True)  # one reduction over all values
     ok = v >= floor
     top, low, n_lo = tl.reduce((v, tl.where(ok, v, 2147483647), ok.to(tl.int32)), 0, _max_min_sum)
