@@ -8,10 +8,10 @@ Reports, measured in the same run: the BF16 and FP8 matrix-product ceilings of t
 per stage (pool, score, select, expand) times of the tilelang (bf16) and deepgemm (fp8)
 backends (the whole call repeated, so the driver's table cache is warm, as for every layer
 after the first; also with the cache off, ``whole_table_cache_off``) with achieved TFLOP/s
-(causal query-pool pairs only) and the fraction of the ceiling; DeepGEMM scoring alone (with and without its -inf cleaning of the cells outside the
-row ranges); torch.topk, LMDeploy's selector and the Triton exact selector on
-the same logits;
-the torch backend end to end (twice, the faster counts) for the speed-up. Writes ``bench_kernels.json``.
+(causal query-pool pairs only) and the fraction of the ceiling; DeepGEMM scoring alone
+(with and without its -inf cleaning of the cells outside the row ranges); torch.topk,
+LMDeploy's selector and the Triton exact selector on the same logits; the torch backend
+end to end (twice, the faster counts) for the speed-up. Writes ``bench_kernels.json``.
 """
 
 from __future__ import annotations
