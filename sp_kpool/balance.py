@@ -328,7 +328,7 @@ def balanced_select(
     with stage(problem, "balance_exchange"):
         q_comp, w_comp = _move_queries(problem, own, comp, stats)
     c_lo, c_hi = comp[seq.rank]
-    pools = select_rows(backend, problem, pooled, tables, c_lo, c_hi, q_comp, w_comp)
+    pools = select_rows(backend, problem, pooled, c_lo, c_hi, q_comp, w_comp)
     with stage(problem, "balance_route"):
         mine = _route_pools(problem, pools, own, comp, stats)
     width = output_width(problem.topk, kpool, problem.alignment)

@@ -348,22 +348,20 @@ def select_rows(
     backend: Backend,
     problem: Problem,
     pooled: Any,
-    tables: tuple[torch.Tensor, torch.Tensor] | None,
     lo_row: int,
     hi_row: int,
-    q: torch.Tensor,
-    w: torch.Tensor,
+    q: torch.Tensor | None,
+    w: torch.Tensor | None,
     staged: "_Staged | None" = None,
     prepared: tuple[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Selected pools of the global rows ``[lo_row, hi_row)`` (all real rows).
 
     ``q [hi_row - lo_row, H, D]`` and ``w [hi_row - lo_row, H]`` are those rows' queries and
-    raw head weights, ``tables`` is ``pool_table(real_cu_seq_lens, kpool)`` (CPU; may be
-    ``None`` when ``staged`` is given); ``staged``: the chunk grid and the tables on the
-    device (from :func:`stage_tables`; built here when ``None``); ``prepared``: ``backend.prepare_queries(
-    problem, q, w)`` if already made (``q`` and ``w`` are then not used). Returns ``[hi_row - lo_row, topk //
-    kpool]`` int32 global pool ids, valid ones first, ``-1`` after: in score order for
+    raw head weights; ``staged``: the chunk grid and the tables on the device (from
+    :func:`stage_tables`, which is called here when ``None``); ``prepared``:
+    ``backend.prepare_queries(problem, q, w)`` if already made (``q`` and ``w`` are then
+    not used). Returns ``[hi_row - lo_row, topk // kpool]`` int32 global pool ids, valid ones first, ``-1`` after: in score order for
     ``order="score"``, in the serving selector's order for ``"serving"``, ascending for
     ``"ascending"``. Any rank computing a row gets the same set (global chunk grid, see
     the module docstring).
@@ -373,16 +371,15 @@ def select_rows(
     The rows' causal ranges are computed once for all chunks, on the device.
     """
     kpool, device = problem.kpool, problem.device
-    if tables is None and staged is None:
-        raise ValueError("select_rows: expected tables (pool_table(...)) or staged (stage_tables(...)), got neither")
     _check_query_hooks(backend)
-    num_pools = staged.num_pools if staged is not None else tables[0].numel()
     k_sel = problem.topk // kpool
     out = torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)
-    if hi_row <= lo_row or num_pools == 0:
+    if hi_row <= lo_row:
         return out
     if staged is None:
         staged = stage_tables(backend, problem, lo_row, hi_row)
+    if staged.num_pools == 0:
+        return out
     C, grid, cu_dev, offs_dev, bounds_dev = staged.C, staged.grid, staged.cu, staged.offs, staged.bounds
     qp, wp = prepared if prepared is not None else backend.prepare_queries(problem, q, w)
     # each row's [start, end) relative to its chunk's pool range, laid out on the chunk grid
@@ -448,7 +445,7 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
     if pooled is None and pts_dev.numel():
         with stage(problem, "pool"):
             pooled = backend.pool(problem, pts_dev)
-    pools = select_rows(backend, problem, pooled, None, own_lo, own_hi, None, None, staged, prepared)
+    pools = select_rows(backend, problem, pooled, own_lo, own_hi, None, None, staged, prepared)
     out[n:].fill_(-1)  # padding rows; assemble writes the others whole
     with stage(problem, "expand"):
         # the rows' metadata only now: its small kernels queue behind the scoring instead of
