@@ -372,14 +372,15 @@ def assemble(
     p32 = pools.to(torch.int32)
     if order == "ascending" and not presorted:
         p32 = _ascending(p32)
-    valid = p32 >= 0
     if device.type == "cuda" and probe("triton")[0] is not None:
         from .kernels.triton_select import expand_pools
 
-        dest = dest.fill_(-1) if dest is not None else torch.full((rows, width), -1, dtype=torch.int32, device=device)
+        # the kernel writes every column (no -1 fill first)
+        dest = dest if dest is not None else torch.empty((rows, width), dtype=torch.int32, device=device)
         return expand_pools(
             p32, pool_tok_start, meta.rows, meta.tail_len, dest, topk=topk, kpool=kpool, tail=tail
         )  # fmt: skip
+    valid = p32 >= 0
     num_pools = pool_tok_start.numel()
     ext = torch.cat([pool_tok_start.to(torch.int32), pool_tok_start.new_full((1,), -kpool, dtype=torch.int32)])
     first = ext.index_select(0, torch.where(valid, p32, num_pools).flatten()).view(rows, k_sel, 1)

@@ -46,6 +46,8 @@ Imports Triton: import this module only where Triton is available.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -98,6 +100,7 @@ def _default_warps(W: int, k: int, min_group: int = 8) -> int:
     return min(16, max(4, capg * group // 512))
 
 
+@functools.lru_cache(maxsize=256)
 def supports(width: int, k: int) -> bool:
     """Whether :func:`topk_ascending` handles rows of ``width`` columns and this ``k`` (at
     the default launch): ``1 <= k <= MAX_K`` and ``capg`` (the power of two ``>= k``)
@@ -432,8 +435,11 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
 
 
 @triton.jit
-def expand_kernel(P, stride_p, pts_ptr, rows_ptr, tail_ptr, Out, stride_o, k, topk,
-                  K: tl.constexpr, KS: tl.constexpr, KP: tl.constexpr, KT: tl.constexpr, COMPACT: tl.constexpr):
+def expand_kernel(P, stride_p, pts_ptr, rows_ptr, tail_ptr, Out, stride_o, k, topk, width,
+                  K: tl.constexpr, KS: tl.constexpr, KP: tl.constexpr, TB: tl.constexpr, COMPACT: tl.constexpr):
+    # one row per program; every column of the row is written once (no -1 fill beforehand):
+    # columns [0, k K) as [k, K] (the tokens of pool slot i, else tail or -1), then the
+    # columns [k K, width) (tail or -1)
     row = tl.program_id(0)
     pi = tl.arange(0, KP)
     p = tl.load(P + row.to(tl.int64) * stride_p + pi, mask=pi < k, other=-1)
@@ -441,20 +447,19 @@ def expand_kernel(P, stride_p, pts_ptr, rows_ptr, tail_ptr, Out, stride_o, k, to
     first = tl.load(pts_ptr + tl.where(valid, p, 0), mask=valid, other=0).to(tl.int32)
     slots = tl.arange(0, KS)
     orow = Out + tl.cast(row, tl.int64) * stride_o
-    tok = first[:, None] + slots[None, :]
+    t = tl.load(rows_ptr + row).to(tl.int32)
+    tlen = tl.load(tail_ptr + row).to(tl.int32)
+    if COMPACT:  # the valid pools come first: the tail right after their tokens
+        tail0 = tl.sum(valid.to(tl.int32), axis=0) * K
+    else:
+        tail0 = topk
     cols = pi[:, None] * K + slots[None, :]
-    tl.store(orow + cols, tok, mask=valid[:, None] & (slots[None, :] < K))
-    if K > 1:
-        t = tl.load(rows_ptr + row)
-        tlen = tl.load(tail_ptr + row)
-        ti = tl.arange(0, KT)
-        ok = ti < tlen
-        ids = (t - tlen + 1 + ti).to(tl.int32)
-        if COMPACT:
-            n_hist = tl.sum(valid.to(tl.int32), axis=0) * K
-            tl.store(orow + n_hist + ti, ids, mask=ok)
-        else:
-            tl.store(orow + topk + ti, ids, mask=ok)
+    j = cols - tail0  # tail slot of each column
+    val = tl.where(valid[:, None], first[:, None] + slots[None, :], tl.where((j >= 0) & (j < tlen), t - tlen + 1 + j, -1))
+    tl.store(orow + cols, val, mask=(pi[:, None] < k) & (slots[None, :] < K))
+    c = k * K + tl.arange(0, TB)
+    j2 = c - tail0
+    tl.store(orow + c, tl.where((j2 >= 0) & (j2 < tlen), t - tlen + 1 + j2, -1), mask=c < width)
 
 
 
@@ -626,7 +631,8 @@ def expand_pools(
     kpool: int,
     tail: str,
 ) -> torch.Tensor:
-    """Token ids and tail into ``out`` (``[R, width]`` int32, **filled with -1** by the caller).
+    """Token ids and tail into ``out`` (``[R, width]`` int32, unit column stride; every
+    column is overwritten, nothing needs filling beforehand).
 
     ``pools``: ``[R, k]`` int32/int64 global pool ids, valid ones first, ``-1`` after (any
     order among the valid ones is kept); ``pool_tok_start``: ``[P]`` int64; ``rows``,
@@ -636,11 +642,15 @@ def expand_pools(
     R, k = pools.shape
     if R == 0:
         return out
+    if out.dim() != 2 or out.shape[0] != R or out.dtype != torch.int32 or (out.shape[1] > 1 and out.stride(1) != 1):
+        raise ValueError(f"out: expected a [{R}, width] int32 tensor with unit column stride, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")  # fmt: skip
+    width = out.shape[1]
     pools = pools.contiguous()
     expand_kernel[(R,)](
         pools, pools.stride(0), pool_tok_start.contiguous(), rows.contiguous(), tail_len.contiguous(),
-        out, out.stride(0), k, topk,
-        K=kpool, KS=_pow2(kpool), KP=_pow2(k), KT=_pow2(max(1, kpool - 1)), COMPACT=tail == "compact",
+        out, out.stride(0), k, topk, width,
+        K=kpool, KS=_pow2(kpool), KP=_pow2(k), TB=_pow2(max(1, width - k * kpool)), COMPACT=tail == "compact",
         num_warps=4,
     )  # fmt: skip
     return out

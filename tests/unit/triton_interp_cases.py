@@ -119,9 +119,28 @@ def test_expand_equals_torch_assemble(kpool, tail, alignment):
     meta = RowMeta(rows=rows, pool_lo=rows * 0, n_visible=rows * 0, tail_len=tail_len, padding=rows < 0)
     topk = k * kpool + 1  # a token budget that is not a multiple of kpool
     want = assemble(pools, meta, pts, topk=topk, kpool=kpool, tail=tail, order="score", alignment=alignment)
-    out = torch.full_like(want, -1)
+    out = torch.full_like(want, 12345)  # every column is written: no -1 fill needed
     got = ts.expand_pools(pools.int(), pts, rows, tail_len, out, topk=topk, kpool=kpool, tail=tail)
-    assert torch.equal(got, want)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+    with pytest.raises(ValueError, match="out: expected a"):
+        ts.expand_pools(pools.int(), pts, rows, tail_len, out.t(), topk=topk, kpool=kpool, tail=tail)
+
+
+@pytest.mark.parametrize("tail", ["fixed", "compact"])
+def test_expand_rows_wider_than_one_block(tail):
+    # 5001 columns: the kernel writes a row in two blocks of 4096
+    g = torch.Generator().manual_seed(5)
+    R, k, P, kpool = 3, 2500, 9000, 2
+    pools = torch.randint(0, P, (R, k), generator=g)
+    pools[1, 2100:] = -1
+    pools[2] = -1
+    pts = torch.arange(P, dtype=torch.int64) * kpool
+    rows = torch.tensor([20000, 20001, 7], dtype=torch.int64)
+    tail_len = torch.tensor([1, 0, 1])
+    meta = RowMeta(rows=rows, pool_lo=rows * 0, n_visible=rows * 0, tail_len=tail_len, padding=rows < 0)
+    want = assemble(pools, meta, pts, topk=k * kpool, kpool=kpool, tail=tail, order="score", alignment=1)
+    out = torch.full_like(want, 777)
+    assert torch.equal(ts.expand_pools(pools.int(), pts, rows, tail_len, out, topk=k * kpool, kpool=kpool, tail=tail), want)
 
 
 def test_wide_rows_use_wider_groups():
