@@ -367,19 +367,22 @@ def select_rows(
     the module docstring).
 
     The rows are prepared once (:meth:`Backend.prepare_queries`); a chunk whose rows are
-    all computed here is scored from views of them, other chunks from zero-padded copies.
-    The rows' causal ranges are computed once for all chunks, on the device.
+    all computed here is scored from views of them, other chunks from zero-padded copies,
+    after the whole ones. The rows' causal ranges are computed once for all chunks, on the
+    device.
     """
     kpool, device = problem.kpool, problem.device
     _check_query_hooks(backend)
     k_sel = problem.topk // kpool
-    out = torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)
+    def empty_out():
+        return torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)
+
     if hi_row <= lo_row:
-        return out
+        return empty_out()
     if staged is None:
         staged = stage_tables(backend, problem, lo_row, hi_row)
     if staged.num_pools == 0:
-        return out
+        return empty_out()
     C, grid, cu_dev, offs_dev, bounds_dev = staged.C, staged.grid, staged.cu, staged.offs, staged.bounds
     qp, wp = prepared if prepared is not None else backend.prepare_queries(problem, q, w)
     # each row's [start, end) relative to its chunk's pool range, laid out on the chunk grid
@@ -394,18 +397,25 @@ def select_rows(
         else:
             ranges = row_ranges_torch(cu_dev, offs_dev, bounds_dev, lo_row, hi_row, first, C, kpool)
         staged.ranges = ranges
-    for i, (g0, g1, lo, hi) in enumerate(grid):
+    # chunks whose rows are all computed here first: their scoring call takes views (no
+    # padded copies), so the host reaches the first one sooner (a cold call's device waits
+    # for it); the chunks are independent, so the order changes no result
+    whole = [max(g0, lo_row) == g0 and min(g1, hi_row) == g0 + C for g0, g1, _, _ in grid]
+    out = None
+    for i in sorted(range(len(grid)), key=lambda j: not whole[j]):
+        g0, g1, lo, hi = grid[i]
         a, b = max(g0, lo_row), min(g1, hi_row)  # rows of this chunk computed here
         if hi <= lo:
             continue
         r_s, r_e = ranges[0, i * C : (i + 1) * C], ranges[1, i * C : (i + 1) * C]
-        if a == g0 and b == g0 + C:  # the whole chunk is ours: views, no copies
+        if whole[i]:  # the whole chunk is ours: views, no copies
             qc, wc = qp[a - lo_row : b - lo_row], wp[a - lo_row : b - lo_row]
         else:  # the call has the same shape and row positions whichever rank computes it
-            qc = qp.new_zeros((C,) + tuple(qp.shape[1:]))
-            wc = wp.new_zeros((C,) + tuple(wp.shape[1:]))
-            qc[a - g0 : b - g0] = qp[a - lo_row : b - lo_row]
-            wc[a - g0 : b - g0] = wp[a - lo_row : b - lo_row]
+            # zero rows around ours (one host call per tensor: the host's path to the first
+            # scoring call is where a cold call waits)
+            rows_pad = (a - g0, g0 + C - b)
+            qc = torch.nn.functional.pad(qp[a - lo_row : b - lo_row], (0, 0) * (qp.dim() - 1) + rows_pad)
+            wc = torch.nn.functional.pad(wp[a - lo_row : b - lo_row], (0, 0) * (wp.dim() - 1) + rows_pad)
         with stage(problem, "score"):
             scores = backend.score_prepared(problem, pooled, qc, wc, lo, hi, r_s, r_e)
         col0: Any = lo
@@ -422,8 +432,10 @@ def select_rows(
             visible = (cols[None] >= row_starts[:, None]) & (cols[None] < row_ends[:, None])
         with stage(problem, "select"):
             pools = select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts)
+        if out is None:  # allocated (and filled) after the first scoring launch, not before
+            out = empty_out()
         out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
-    return out
+    return out if out is not None else empty_out()
 
 
 def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch.Tensor:

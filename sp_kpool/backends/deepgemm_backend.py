@@ -146,7 +146,7 @@ class DeepGemmBackend(Backend):
         shift = lo % 4
         kv = (k8[lo - shift : hi], k_scale[lo - shift : hi])
         n = hi - lo
-        ks, ke = starts + shift, ends + shift
+        ks, ke = (starts + shift, ends + shift) if shift else (starts, ends)
         # -inf outside the row ranges only where a reader needs it: the Triton selector reads
         # [start, end) of each row itself; the serving selector and the fallbacks read more
         clean = not reads_row_ranges_only(problem.topk // problem.kpool, n, problem.order)

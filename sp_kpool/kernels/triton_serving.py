@@ -256,6 +256,7 @@ def _kernels():
     return pool_kernel, query_kernel, query_kernel_128
 
 
+@functools.lru_cache(maxsize=None)
 def _inv_sqrt_fp32(n: int) -> float:
     return float(torch.tensor(float(n) ** -0.5, dtype=torch.float32))
 

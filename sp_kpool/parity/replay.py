@@ -175,7 +175,8 @@ def _valid_scores(r: _ArmRun, seq, offs, P: int, repeat: bool, stats: dict):
     **own** chunk grid, making exactly the ``backend.score`` calls of the driver's
     ``select_rows`` (same rows, zero-filled foreign rows, pool range, per-row ``starts`` /
     ``ends``), so the values are the ones its selection ranked (a unit test records both
-    call sequences and requires them equal, so a driver change cannot go unnoticed). ``values`` holds the FP32
+    calls and requires them equal, so a driver change cannot go unnoticed; the driver makes
+    them in another order: whole chunks first). ``values`` holds the FP32
     scores of the rows' valid causal slots, row-major (row ``t`` contributes ``(j + 1) // K``
     values, pools ascending). Counts NaN/Inf into ``stats``; with ``repeat`` scores every
     chunk twice and clears ``stats["same"]`` on any bitwise difference."""
