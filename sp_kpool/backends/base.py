@@ -443,13 +443,14 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
     by chunk, then assemble."""
     seq, kpool, device = problem.seq, problem.kpool, problem.device
     width = output_width(problem.topk, kpool, problem.alignment)
-    out = torch.empty((seq.shard_size, width), dtype=torch.int32, device=device)
     own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    if own_hi <= own_lo:
-        return out.fill_(-1)  # this shard holds only padding
+    if own_hi <= own_lo:  # this shard holds only padding
+        return torch.full((seq.shard_size, width), -1, dtype=torch.int32, device=device)
     n = own_hi - own_lo
     # the queries' preparation first: it needs no host tables, and the host builds them
-    # (and copies them over, once) while the device works
+    # (and copies them over, once) while the device works; the output is allocated after
+    # the scoring calls are queued (each host step before the first one delays it on a
+    # cold call)
     with stage(problem, "score"):
         prepared = backend.prepare_queries(problem, problem.q[:n], problem.head_weights[:n])
     staged = stage_tables(backend, problem, own_lo, own_hi)
@@ -458,6 +459,7 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
         with stage(problem, "pool"):
             pooled = backend.pool(problem, pts_dev)
     pools = select_rows(backend, problem, pooled, own_lo, own_hi, None, None, staged, prepared)
+    out = torch.empty((seq.shard_size, width), dtype=torch.int32, device=device)
     out[n:].fill_(-1)  # padding rows; assemble writes the others whole
     with stage(problem, "expand"):
         # the rows' metadata only now: its small kernels queue behind the scoring instead of
