@@ -374,6 +374,7 @@ def select_rows(
     kpool, device = problem.kpool, problem.device
     _check_query_hooks(backend)
     k_sel = problem.topk // kpool
+
     def empty_out():
         return torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)
 

@@ -128,7 +128,8 @@ def test_expand_equals_torch_assemble(kpool, tail, alignment):
 
 @pytest.mark.parametrize("tail", ["fixed", "compact"])
 def test_expand_rows_wider_than_one_block(tail):
-    # 5001 columns: the kernel writes a row in two blocks of 4096
+    # 5001 columns: 2500 pools of 2 tokens (a [4096, 2] block) and a one-column remainder,
+    # rows with all, some and no pools valid
     g = torch.Generator().manual_seed(5)
     R, k, P, kpool = 3, 2500, 9000, 2
     pools = torch.randint(0, P, (R, k), generator=g)
