@@ -145,7 +145,7 @@ def deepgemm_chunked(p, fn, q8, wq, kv):
     """DeepGEMM alone, as the driver calls it: the same chunk grid and row ranges
     (``stage_tables``, ``row_ranges_torch``), zero-padded partial chunks, the same kv
     slices (inputs built outside the timing), ``clean_logits=False``."""
-    from sp_kpool.backends.base import row_ranges_torch, stage_tables
+    from sp_kpool.backends.base import pad_rows, row_ranges_torch, stage_tables
 
     be = BACKENDS["deepgemm"]
     seq = p.seq
@@ -155,10 +155,8 @@ def deepgemm_chunked(p, fn, q8, wq, kv):
     calls = []
     for i, (g0, g1, lo, hi) in enumerate(st.grid):
         a, b = max(g0, lo_row), min(g1, hi_row)
-        qc = q8.new_zeros((st.C,) + tuple(q8.shape[1:]))
-        wc = wq.new_zeros((st.C, wq.shape[1]))
-        qc[a - g0 : b - g0] = q8[a - lo_row : b - lo_row]
-        wc[a - g0 : b - g0] = wq[a - lo_row : b - lo_row]
+        qc = pad_rows(q8[a - lo_row : b - lo_row], a - g0, g0 + st.C - b)
+        wc = pad_rows(wq[a - lo_row : b - lo_row], a - g0, g0 + st.C - b)
         shift = lo % 4  # as DeepGemmBackend.score_prepared: kv slices start at a multiple of 4 pools
         ks, ke = ranges[0, i * st.C : (i + 1) * st.C] + shift, ranges[1, i * st.C : (i + 1) * st.C] + shift
         calls.append((qc, (kv[0][lo - shift : hi], kv[1][lo - shift : hi]), wc, ks, ke))

@@ -31,7 +31,7 @@ from .._probe import probe
 from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
 
-__all__ = ["Problem", "Backend", "stage", "round_rows", "run_chunked", "select_rows", "stage_tables", "clear_table_cache",
+__all__ = ["Problem", "Backend", "stage", "round_rows", "pad_rows", "run_chunked", "select_rows", "stage_tables", "clear_table_cache",
            "default_max_logits_bytes", "MAX_CHUNK_ROWS"]  # fmt: skip
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
@@ -220,6 +220,12 @@ def chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int, max_rows: 
 def round_rows(rows: int) -> int:
     """``rows`` rounded down to a multiple of 128 when >= 128 (whole kernel row groups)."""
     return int(rows // 128 * 128 if rows >= 128 else max(1, rows))
+
+
+def pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """``x`` with ``before`` zero rows in front and ``after`` behind (dim 0), in one host
+    call: how the driver lays a partial chunk's rows on the chunk grid."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (before, after))
 
 
 @dataclass
@@ -414,9 +420,8 @@ def select_rows(
         else:  # the call has the same shape and row positions whichever rank computes it
             # zero rows around ours (one host call per tensor: the host's path to the first
             # scoring call is where a cold call waits)
-            rows_pad = (a - g0, g0 + C - b)
-            qc = torch.nn.functional.pad(qp[a - lo_row : b - lo_row], (0, 0) * (qp.dim() - 1) + rows_pad)
-            wc = torch.nn.functional.pad(wp[a - lo_row : b - lo_row], (0, 0) * (wp.dim() - 1) + rows_pad)
+            qc = pad_rows(qp[a - lo_row : b - lo_row], a - g0, g0 + C - b)
+            wc = pad_rows(wp[a - lo_row : b - lo_row], a - g0, g0 + C - b)
         with stage(problem, "score"):
             scores = backend.score_prepared(problem, pooled, qc, wc, lo, hi, r_s, r_e)
         col0: Any = lo

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..backends.base import pad_rows
 from ..capture import load_capture_set
 from ..pooling import pool_table
 from ..selection import row_meta
@@ -184,7 +185,6 @@ def _valid_scores(r: _ArmRun, seq, offs, P: int, repeat: bool, stats: dict):
     K, dev, real_cu = p.kpool, p.device, seq.real_cu_seq_lens
     own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
     C = b.chunk_rows(p, P)
-    H, D = p.heads, p.head_dim
     for g0 in range((own_lo // C) * C, own_hi, C):
         g1 = min(g0 + C, seq.num_real_tokens)
         a, e = max(g0, own_lo), min(g1, own_hi)  # rows of this chunk owned here
@@ -199,10 +199,8 @@ def _valid_scores(r: _ArmRun, seq, offs, P: int, repeat: bool, stats: dict):
         mine[a - g0 : e - g0] = True
         r_start = torch.where(mine, (meta.pool_lo - lo).clamp(0, hi - lo), 0)
         r_end = torch.maximum(r_start, torch.where(mine, (meta.pool_hi - lo).clamp(0, hi - lo), 0))
-        qc = p.q.new_zeros((C, H, D))
-        wc = p.head_weights.new_zeros((C, H))
-        qc[a - g0 : e - g0] = p.q[a - own_lo : e - own_lo]
-        wc[a - g0 : e - g0] = p.head_weights[a - own_lo : e - own_lo]
+        qc = pad_rows(p.q[a - own_lo : e - own_lo], a - g0, g0 + C - e)
+        wc = pad_rows(p.head_weights[a - own_lo : e - own_lo], a - g0, g0 + C - e)
         args = (p, r.pooled, qc, wc, lo, hi, r_start.to(torch.int32), r_end.to(torch.int32))
         cols = torch.arange(hi - lo, device=dev)
         visible = (cols[None] >= r_start[a - g0 : e - g0, None]) & (cols[None] < r_end[a - g0 : e - g0, None])
