@@ -143,6 +143,19 @@ def section_serving_kernels(quick):
         ok = torch.equal(q8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(wq, rw)
         record("serving-kernels", f"fp8 queries S={S} H={H} D={D} generic={generic}", ok,
                differing_values=int((q8.view(torch.uint8) != r8.view(torch.uint8)).sum()), differing_weights=int((wq != rw).sum()))  # fmt: skip
+        # zero rows written around the prepared ones (the driver's chunk grid): before /
+        # after rows that are whole programs of zeros, and ones that share a program
+        for before, after in [(3, 5), (1000, 0), (0, 777)]:
+            p8, pw = queries_fp8(q, w, generic=generic, before=before, after=after)
+            z8, zw = serving.prepare_queries_fp8(torch.zeros_like(q[:1]), torch.zeros_like(w[:1]))
+            ok = (p8.shape[0] == pw.shape[0] == before + S + after
+                  and torch.equal(p8[before : before + S].view(torch.uint8), r8.view(torch.uint8))
+                  and torch.equal(pw[before : before + S], rw)
+                  and bool((p8[:before].view(torch.uint8) == z8.view(torch.uint8)).all())
+                  and bool((p8[before + S :].view(torch.uint8) == z8.view(torch.uint8)).all())
+                  and bool((pw[:before] == zw).all()) and bool((pw[before + S :] == zw).all())
+                  and int(z8.view(torch.uint8).max()) == 0 and int(zw.abs().max()) == 0)  # fmt: skip
+            record("serving-kernels", f"fp8 queries S={S} H={H} D={D} generic={generic} zero rows {before}+{after}", ok)
 
 
 def _run(name, problem):

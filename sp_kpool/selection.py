@@ -286,7 +286,7 @@ def _rank_by_score(scores: torch.Tensor, pools: torch.Tensor, base: torch.Tensor
 
 
 def select_pools(
-    scores, visible, k: int, col0, ends=None, order: str = "", starts=None
+    scores, visible, k: int, col0, ends=None, order: str = "", starts=None, out=None
 ) -> torch.Tensor:
     """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` global pool ids, ``-1``.
 
@@ -300,7 +300,22 @@ def select_pools(
     construction, no host synchronisation), else LMDeploy's radix selector with an
     exactness check, else the FP32 candidate path; on CPU the int64-key path. All return
     the same sets.
+
+    ``out``: optional ``[R, k]`` int32 destination (unit column stride, e.g. rows of the
+    driver's output): the row is written whole, ``-1`` past ``min(k, N)``, and ``out`` is
+    returned. The Triton selector writes into it directly; the other paths copy.
     """
+    if out is not None:
+        R = scores.shape[0]
+        if out.shape != (R, k) or out.dtype != torch.int32 or out.device != scores.device:
+            raise ValueError(f"out: expected an int32 tensor of shape {(R, k)} on {scores.device}, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")  # fmt: skip
+        if scores.device.type == "cuda" and order == "ascending" and reads_row_ranges_only(k, scores.shape[1], order):
+            return _select_cuda(scores, visible, k, col0, ends, order, starts, out)
+        pools = select_pools(scores, visible, k, col0, ends, order, starts)
+        out[:, : pools.shape[1]] = pools
+        out[:, pools.shape[1] :] = -1
+        return out
     if order == "serving":
         selector = _radix_selector(k) if scores.device.type == "cuda" else None
         if selector is None or ends is None:
@@ -310,16 +325,10 @@ def select_pools(
         return serving_pools(scores, ends, k, col0, selector)
     R, n = scores.shape
     if scores.device.type == "cuda":
+        if reads_row_ranges_only(k, n, order):
+            return _select_cuda(scores, visible, k, col0, ends, order, starts, None)
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))
-        if reads_row_ranges_only(k, n, order):
-            from .kernels.triton_select import topk_ascending as fast
-            dev = scores.device
-            base = col0.reshape(R) if isinstance(col0, torch.Tensor) else torch.full((R,), int(col0), device=dev)
-            lo = starts if starts is not None else torch.zeros(R, dtype=torch.int32, device=dev)
-            hi = ends if ends is not None else torch.full((R,), n, dtype=torch.int32, device=dev)
-            pools = fast(scores, lo, hi, base.to(torch.int64), k)[:, : min(k, n)]
-            return pools if order == "ascending" else _rank_by_score(scores, pools, base.reshape(R, 1))
         scores = torch.where(torch.isnan(scores), -float("inf"), scores)  # NaN: never selected
         selector = _radix_selector(k) if ends is not None else None
         if selector is not None:
@@ -331,6 +340,24 @@ def select_pools(
             visible = scores > -float("inf")
         pools = topk_pools(scores, visible, k, col0)[0]
     return _ascending(pools) if order == "ascending" else pools
+
+
+def _select_cuda(scores, visible, k: int, col0, ends, order: str, starts, out):
+    """The Triton selector's path of :func:`select_pools` (``out``: ``[R, k]`` or ``None``)."""
+    from .kernels.triton_select import topk_ascending as fast
+
+    R, n = scores.shape
+    dev = scores.device
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -float("inf"))
+    base = col0.reshape(R) if isinstance(col0, torch.Tensor) else torch.full((R,), int(col0), device=dev)
+    lo = starts if starts is not None else torch.zeros(R, dtype=torch.int32, device=dev)
+    hi = ends if ends is not None else torch.full((R,), n, dtype=torch.int32, device=dev)
+    pools = fast(scores, lo, hi, base.to(torch.int64), k, out=out)
+    if out is not None:  # order "ascending": the kernel wrote -1 past min(k, visible) <= min(k, n)
+        return out
+    pools = pools[:, : min(k, n)]
+    return pools if order == "ascending" else _rank_by_score(scores, pools, base.reshape(R, 1))
 
 
 def assemble(

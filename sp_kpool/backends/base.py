@@ -31,8 +31,8 @@ from .._probe import probe
 from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
 
-__all__ = ["Problem", "Backend", "stage", "round_rows", "pad_rows", "run_chunked", "select_rows", "stage_tables", "clear_table_cache",
-           "default_max_logits_bytes", "MAX_CHUNK_ROWS"]  # fmt: skip
+__all__ = ["Problem", "Backend", "stage", "round_rows", "pad_rows", "grid_span", "prepare_rows", "run_chunked", "select_rows",
+           "stage_tables", "clear_table_cache", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]  # fmt: skip
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
 MAX_CHUNK_ROWS = 512
@@ -179,8 +179,16 @@ class Backend:
         Override it together with :meth:`score_prepared` (the driver checks), and keep
         :meth:`score` equal to ``score_prepared(prepare_queries(...))``: the driver calls
         ``score_prepared``, so a subclass that overrides only ``score`` of a backend with
-        these hooks is not used by the driver."""
+        these hooks is not used by the driver.
+
+        A backend that sets :attr:`pads_prepared` also takes ``before=`` and ``after=``
+        (row counts) and returns ``before`` all-zero rows in front of the prepared rows and
+        ``after`` behind them, written in place (the driver then scores partial chunks
+        from views instead of zero-padded copies)."""
         return q, w
+
+    #: :meth:`prepare_queries` takes ``before=`` / ``after=`` zero rows around its output.
+    pads_prepared: bool = False
 
     def score_prepared(self, problem: Problem, pooled: Any, q: Any, w: Any, lo: int, hi: int,
                        starts: torch.Tensor, ends: torch.Tensor):  # fmt: skip
@@ -265,7 +273,28 @@ def _table_cache_enabled() -> bool:
     return raw != "0"
 
 
-def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -> _Staged:
+def _geometry(backend: Backend, problem: Problem) -> tuple[list, list, int]:
+    """``(cu, offs, C)``: the real documents' boundaries, their first pools (host lists,
+    ``offs[-1]`` = number of complete pools) and the chunk rows ``C`` (1 without pools:
+    nothing is scored, so no budget check)."""
+    K = problem.kpool
+    cu = [int(v) for v in problem.seq.real_cu_seq_lens.tolist()]
+    offs = [0]
+    for d in range(len(cu) - 1):
+        offs.append(offs[-1] + (cu[d + 1] - cu[d]) // K)
+    return cu, offs, backend.chunk_rows(problem, offs[-1]) if offs[-1] else 1
+
+
+def grid_span(C: int, lo_row: int, hi_row: int) -> tuple[int, int]:
+    """``(first, end)``: the global rows that the chunks of ``C`` rows holding ``[lo_row,
+    hi_row)`` cover (``first <= lo_row``, ``end >= hi_row``, multiples of ``C`` apart)."""
+    if hi_row <= lo_row:
+        return lo_row, lo_row
+    first = (lo_row // C) * C
+    return first, first + -(-(hi_row - first) // C) * C
+
+
+def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int, geometry: tuple | None = None) -> _Staged:
     """The chunk grid of rows ``[lo_row, hi_row)`` (host arithmetic on the document
     boundaries only) and the device tables: ``real_cu_seq_lens``, ``doc_pool_offset`` and
     the pool range of each chunk ``[n_chunks, 2]`` in **one** host-to-device copy, then
@@ -278,16 +307,12 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int) -
     step after the first skips this host work, the copy, the small kernels that build
     ``pool_tok_start`` and, in the driver, the row ranges and row metadata). The tables
     are read-only. ``$SP_KPOOL_TABLE_CACHE=0`` turns the cache off;
-    :func:`clear_table_cache` empties it."""
+    :func:`clear_table_cache` empties it. ``geometry``: ``_geometry(backend, problem)`` if
+    the caller has it already."""
     seq, device, K = problem.seq, problem.device, problem.kpool
-    cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
-    offs = [0]
-    for d in range(len(cu) - 1):
-        offs.append(offs[-1] + (cu[d + 1] - cu[d]) // K)
+    # no complete pools: nothing is scored (select_rows returns -1 rows), so no grid
+    cu, offs, C = geometry if geometry is not None else _geometry(backend, problem)
     P = offs[-1]
-    # no complete pools: nothing is scored (select_rows returns -1 rows), so no chunk size
-    # (the budget check) and no grid
-    C = backend.chunk_rows(problem, P) if P else 1
     key = None
     if _table_cache_enabled():
         stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
@@ -350,6 +375,21 @@ def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: 
     return ranges
 
 
+def prepare_rows(backend: Backend, problem: Problem, q, w, C: int, lo_row: int, hi_row: int) -> tuple[Any, Any, int]:
+    """``(q', w', first)``: ``backend.prepare_queries`` of the rows ``[lo_row, hi_row)``
+    (``q [n, H, D]``, ``w [n, H]``), with zero rows out to the edges of their chunks of
+    ``C`` rows where the backend can write them in place (:attr:`Backend.pads_prepared`);
+    row 0 of ``q'`` is the global row ``first``. The padding costs up to ``2 (C - 1)``
+    prepared rows of memory for the whole call (a zero-padded copy costs ``C`` rows per
+    partial chunk, and a copy)."""
+    if not backend.pads_prepared or hi_row <= lo_row:
+        qp, wp = backend.prepare_queries(problem, q, w)
+        return qp, wp, lo_row
+    first, end = grid_span(C, lo_row, hi_row)
+    qp, wp = backend.prepare_queries(problem, q, w, before=lo_row - first, after=end - hi_row)
+    return qp, wp, first
+
+
 def select_rows(
     backend: Backend,
     problem: Problem,
@@ -359,23 +399,27 @@ def select_rows(
     q: torch.Tensor | None,
     w: torch.Tensor | None,
     staged: "_Staged | None" = None,
-    prepared: tuple[Any, Any] | None = None,
+    prepared: tuple[Any, Any, int] | None = None,
 ) -> torch.Tensor:
     """Selected pools of the global rows ``[lo_row, hi_row)`` (all real rows).
 
     ``q [hi_row - lo_row, H, D]`` and ``w [hi_row - lo_row, H]`` are those rows' queries and
     raw head weights; ``staged``: the chunk grid and the tables on the device (from
-    :func:`stage_tables`, which is called here when ``None``); ``prepared``:
-    ``backend.prepare_queries(problem, q, w)`` if already made (``q`` and ``w`` are then
-    not used). Returns ``[hi_row - lo_row, topk // kpool]`` int32 global pool ids, valid ones first, ``-1`` after: in score order for
-    ``order="score"``, in the serving selector's order for ``"serving"``, ascending for
-    ``"ascending"``. Any rank computing a row gets the same set (global chunk grid, see
-    the module docstring).
+    :func:`stage_tables`, which is called here when ``None``); ``prepared``: ``(q', w',
+    first)`` if already made (``q`` and ``w`` are then not used), as
+    :func:`prepare_rows` returns it: row 0 of ``q'`` is the global row ``first``, zero
+    rows outside ``[lo_row, hi_row)``.
 
-    The rows are prepared once (:meth:`Backend.prepare_queries`); a chunk whose rows are
-    all computed here is scored from views of them, other chunks from zero-padded copies,
-    after the whole ones. The rows' causal ranges are computed once for all chunks, on the
-    device.
+    Returns ``[hi_row - lo_row, topk // kpool]`` int32 global pool ids, valid ones first,
+    ``-1`` after: in score order for ``order="score"``, in the serving selector's order
+    for ``"serving"``, ascending for ``"ascending"``. Any rank computing a row gets the
+    same set (global chunk grid, see the module docstring).
+
+    The rows are prepared once (:meth:`Backend.prepare_queries`, with zero rows up to the
+    chunk grid's edges where the backend can: :attr:`Backend.pads_prepared`); a chunk
+    whose rows the prepared tensors cover is scored from views of them, other chunks from
+    zero-padded copies, after the others. The rows' causal ranges are computed once for
+    all chunks, on the device.
     """
     kpool, device = problem.kpool, problem.device
     _check_query_hooks(backend)
@@ -391,7 +435,10 @@ def select_rows(
     if staged.num_pools == 0:
         return empty_out()
     C, grid, cu_dev, offs_dev, bounds_dev = staged.C, staged.grid, staged.cu, staged.offs, staged.bounds
-    qp, wp = prepared if prepared is not None else backend.prepare_queries(problem, q, w)
+    if prepared is None:
+        prepared = prepare_rows(backend, problem, q, w, C, lo_row, hi_row)
+    qp, wp, p0 = prepared
+    p1 = p0 + qp.shape[0]  # the prepared rows are the global rows [p0, p1)
     # each row's [start, end) relative to its chunk's pool range, laid out on the chunk grid
     # (rows not computed here stay empty): one pass for all chunks, views per chunk
     first = grid[0][0]
@@ -404,24 +451,26 @@ def select_rows(
         else:
             ranges = row_ranges_torch(cu_dev, offs_dev, bounds_dev, lo_row, hi_row, first, C, kpool)
         staged.ranges = ranges
-    # chunks whose rows are all computed here first: their scoring call takes views (no
-    # padded copies), so the host reaches the first one sooner (a cold call's device waits
-    # for it); the chunks are independent, so the order changes no result
-    whole = [max(g0, lo_row) == g0 and min(g1, hi_row) == g0 + C for g0, g1, _, _ in grid]
+    # chunks that the prepared rows cover first: their scoring call takes views (no padded
+    # copies), so the host reaches the first one sooner (a cold call's device waits for
+    # it); the chunks are independent, so the order changes no result
+    whole = [p0 <= g0 and g0 + C <= p1 for g0, _, _, _ in grid]
     out = None
+    unscored = []  # row ranges of chunks without pools
     for i in sorted(range(len(grid)), key=lambda j: not whole[j]):
         g0, g1, lo, hi = grid[i]
         a, b = max(g0, lo_row), min(g1, hi_row)  # rows of this chunk computed here
         if hi <= lo:
+            unscored.append((a, b))
             continue
         r_s, r_e = ranges[0, i * C : (i + 1) * C], ranges[1, i * C : (i + 1) * C]
-        if whole[i]:  # the whole chunk is ours: views, no copies
-            qc, wc = qp[a - lo_row : b - lo_row], wp[a - lo_row : b - lo_row]
+        if whole[i]:  # views, no copies (rows not ours are zero rows of the padding)
+            qc, wc = qp[g0 - p0 : g0 - p0 + C], wp[g0 - p0 : g0 - p0 + C]
         else:  # the call has the same shape and row positions whichever rank computes it
             # zero rows around ours (one host call per tensor: the host's path to the first
             # scoring call is where a cold call waits)
-            qc = pad_rows(qp[a - lo_row : b - lo_row], a - g0, g0 + C - b)
-            wc = pad_rows(wp[a - lo_row : b - lo_row], a - g0, g0 + C - b)
+            qc = pad_rows(qp[a - p0 : b - p0], a - g0, g0 + C - b)
+            wc = pad_rows(wp[a - p0 : b - p0], a - g0, g0 + C - b)
         with stage(problem, "score"):
             scores = backend.score_prepared(problem, pooled, qc, wc, lo, hi, r_s, r_e)
         col0: Any = lo
@@ -436,12 +485,17 @@ def select_rows(
         if not backend.masks_scores:
             cols = torch.arange(hi - lo, device=device)
             visible = (cols[None] >= row_starts[:, None]) & (cols[None] < row_ends[:, None])
+        if out is None:  # allocated after the first scoring launch, not before
+            out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
         with stage(problem, "select"):
-            pools = select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts)
-        if out is None:  # allocated (and filled) after the first scoring launch, not before
-            out = empty_out()
-        out[a - lo_row : b - lo_row, : pools.shape[1]] = pools
-    return out if out is not None else empty_out()
+            # straight into this chunk's output rows, every element written
+            select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts,
+                         out=out[a - lo_row : b - lo_row])  # fmt: skip
+    if out is None:
+        return empty_out()
+    for a, b in unscored:  # every row lies in one chunk: the others are written above
+        out[a - lo_row : b - lo_row].fill_(-1)
+    return out
 
 
 def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch.Tensor:
@@ -458,8 +512,11 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
     # the scoring calls are queued (each host step before the first one delays it on a
     # cold call)
     with stage(problem, "score"):
-        prepared = backend.prepare_queries(problem, problem.q[:n], problem.head_weights[:n])
-    staged = stage_tables(backend, problem, own_lo, own_hi)
+        # the chunk rows from host arithmetic only (the tables come after the query kernel
+        # is queued)
+        geometry = _geometry(backend, problem)
+        prepared = prepare_rows(backend, problem, problem.q[:n], problem.head_weights[:n], geometry[2], own_lo, own_hi)
+    staged = stage_tables(backend, problem, own_lo, own_hi, geometry)
     pts_dev, cu_dev, offs_dev = staged.pool_tok_start, staged.cu, staged.offs
     if pooled is None and pts_dev.numel():
         with stage(problem, "pool"):

@@ -127,11 +127,15 @@ class DeepGemmBackend(Backend):
         rows = logits_chunk_rows(problem.max_logits_bytes, max(1, num_pools), problem.heads, layout, a)
         return round_rows(min(rows, self.max_chunk_rows, problem.seq.num_real_tokens))
 
-    def prepare_queries(self, problem, q, w):
-        """Rotated E4M3 queries ``[R, H, D]`` and folded FP32 head weights ``[R, H]``."""
+    #: the query kernel writes the zero rows around the prepared ones itself
+    pads_prepared = True
+
+    def prepare_queries(self, problem, q, w, before: int = 0, after: int = 0):
+        """Rotated E4M3 queries ``[before + R + after, H, D]`` and folded FP32 head weights
+        ``[before + R + after, H]``, zero rows around the ``R`` rows of ``q``, ``w``."""
         from ..kernels.triton_serving import queries_fp8
 
-        return queries_fp8(q, w)
+        return queries_fp8(q, w, before=before, after=after)
 
     def score(self, problem, pooled, q, w, lo, hi, starts, ends):
         q8, wq = self.prepare_queries(problem, q, w)

@@ -498,6 +498,7 @@ def topk_ascending(
     phases: int = 4,
     search: str = "split",
     min_group: int = 8,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exact Top-K of each row, in ascending column order.
 
@@ -528,6 +529,8 @@ def topk_ascending(
             some spilling); default 80 for up to 8 warps, else the compiler's choice; ``0``:
             the compiler's choice.
         phases: ``< 4`` stops after that phase, for timing the phases (wrong output).
+        out: optional ``[R, k]`` int32 destination with unit column stride (e.g. rows of
+            a larger output), every element overwritten; returned.
 
     Returns:
         ``[R, k]`` int32 global pool ids ``base[r] + column``, ascending, ``-1`` after the
@@ -548,7 +551,12 @@ def topk_ascending(
         scores = scores.contiguous()
     R, W = scores.shape
     dev = scores.device
-    out = torch.empty((R, k), dtype=torch.int32, device=dev)
+    if out is None:
+        out = torch.empty((R, k), dtype=torch.int32, device=dev)
+    elif (out.shape != (R, k) or out.dtype != torch.int32 or out.device != dev
+          or (k > 1 and out.stride(1) != 1)):  # fmt: skip
+        raise ValueError(f"out: expected an int32 tensor of shape {(R, k)} with unit column stride on {dev}, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())} on {out.device}")  # fmt: skip
     if R == 0:
         return out
     capg_req = capg

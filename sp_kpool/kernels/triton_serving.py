@@ -117,41 +117,41 @@ def _kernels():
         return add_rn(a, b), add_rn(a, -b)
 
     @triton.jit
-    def quantize8(v, inv_scale, out_ptr, rows, rmask, c8, m: tl.constexpr):
+    def quant8(v, inv_scale):
         # v * (1 / scale) == v / scale: the scale is a power of two, its inverse exact
         v = mul_rn(v, inv_scale[:, None])
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        tl.store(out_ptr + rows[:, None] * 128 + (m * 8 + c8)[None, :], v.to(tl.float8e4nv), mask=rmask[:, None])
+        return tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
 
     @triton.jit
-    def query_kernel_128(q_ptr, out_ptr, scale_ptr, w_ptr, wout_ptr, NR, INV_SQRT_D, INV_SQRT_H, BLOCK: tl.constexpr):
-        # One (row, head) vector of D = 128 per thread, as 16 slices of 8 adjacent channels
-        # (x_m = channels 8m .. 8m + 7, one 16-byte load each): the butterfly stages
-        # h = 1, 2, 4 act inside a slice (registers of one thread), h = 8 .. 64 between
-        # slices m and m + h / 8 (element-wise). Same pairs and FP32 operations as
-        # `hadamard`, without the data movement of the generic kernel.
-        pid = tl.program_id(0)
-        rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        rmask = rows < NR
-        c8 = tl.arange(0, 8)
-        ptr = q_ptr + rows[:, None] * 128 + c8[None, :]
+    def join16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, BLOCK: tl.constexpr):
+        # the 16 slices [BLOCK, 8] (x_m: channels 8m .. 8m + 7) as one [BLOCK, 128] tensor in
+        # channel order (joins add a minor dim per bit of m, lowest bit first)
+        a = tl.join(tl.join(tl.join(tl.join(x0, x1), tl.join(x2, x3)), tl.join(tl.join(x4, x5), tl.join(x6, x7))),
+                    tl.join(tl.join(tl.join(x8, x9), tl.join(x10, x11)), tl.join(tl.join(x12, x13), tl.join(x14, x15))))
+        return tl.reshape(tl.permute(a, (0, 5, 4, 3, 2, 1)), (BLOCK, 128))
+
+    @triton.jit
+    def query_vectors(q_ptr, out_ptr, scale_ptr, w_ptr, wout_ptr, rows, rmask, src, smask, c8, INV_SQRT_D, INV_SQRT_H,
+                      BLOCK: tl.constexpr):
+        # the vectors `rows` of the output from the input vectors `src` (zero where not smask)
+        ptr = q_ptr + src[:, None] * 128 + c8[None, :]
         # all 16 loads first (memory-level parallelism), then the stages h = 1, 2, 4
-        x0 = tl.load(ptr + 0, mask=rmask[:, None], other=0.0)
-        x1 = tl.load(ptr + 8, mask=rmask[:, None], other=0.0)
-        x2 = tl.load(ptr + 16, mask=rmask[:, None], other=0.0)
-        x3 = tl.load(ptr + 24, mask=rmask[:, None], other=0.0)
-        x4 = tl.load(ptr + 32, mask=rmask[:, None], other=0.0)
-        x5 = tl.load(ptr + 40, mask=rmask[:, None], other=0.0)
-        x6 = tl.load(ptr + 48, mask=rmask[:, None], other=0.0)
-        x7 = tl.load(ptr + 56, mask=rmask[:, None], other=0.0)
-        x8 = tl.load(ptr + 64, mask=rmask[:, None], other=0.0)
-        x9 = tl.load(ptr + 72, mask=rmask[:, None], other=0.0)
-        x10 = tl.load(ptr + 80, mask=rmask[:, None], other=0.0)
-        x11 = tl.load(ptr + 88, mask=rmask[:, None], other=0.0)
-        x12 = tl.load(ptr + 96, mask=rmask[:, None], other=0.0)
-        x13 = tl.load(ptr + 104, mask=rmask[:, None], other=0.0)
-        x14 = tl.load(ptr + 112, mask=rmask[:, None], other=0.0)
-        x15 = tl.load(ptr + 120, mask=rmask[:, None], other=0.0)
+        x0 = tl.load(ptr + 0, mask=smask[:, None], other=0.0)
+        x1 = tl.load(ptr + 8, mask=smask[:, None], other=0.0)
+        x2 = tl.load(ptr + 16, mask=smask[:, None], other=0.0)
+        x3 = tl.load(ptr + 24, mask=smask[:, None], other=0.0)
+        x4 = tl.load(ptr + 32, mask=smask[:, None], other=0.0)
+        x5 = tl.load(ptr + 40, mask=smask[:, None], other=0.0)
+        x6 = tl.load(ptr + 48, mask=smask[:, None], other=0.0)
+        x7 = tl.load(ptr + 56, mask=smask[:, None], other=0.0)
+        x8 = tl.load(ptr + 64, mask=smask[:, None], other=0.0)
+        x9 = tl.load(ptr + 72, mask=smask[:, None], other=0.0)
+        x10 = tl.load(ptr + 80, mask=smask[:, None], other=0.0)
+        x11 = tl.load(ptr + 88, mask=smask[:, None], other=0.0)
+        x12 = tl.load(ptr + 96, mask=smask[:, None], other=0.0)
+        x13 = tl.load(ptr + 104, mask=smask[:, None], other=0.0)
+        x14 = tl.load(ptr + 112, mask=smask[:, None], other=0.0)
+        x15 = tl.load(ptr + 120, mask=smask[:, None], other=0.0)
         x0 = butterflies(x0.to(tl.float32), BLOCK, 8, 3)
         x1 = butterflies(x1.to(tl.float32), BLOCK, 8, 3)
         x2 = butterflies(x2.to(tl.float32), BLOCK, 8, 3)
@@ -230,30 +230,52 @@ def _kernels():
         bits = s.to(tl.int32, bitcast=True)
         scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
         inv = tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), scale)
-        quantize8(x0, inv, out_ptr, rows, rmask, c8, 0)
-        quantize8(x1, inv, out_ptr, rows, rmask, c8, 1)
-        quantize8(x2, inv, out_ptr, rows, rmask, c8, 2)
-        quantize8(x3, inv, out_ptr, rows, rmask, c8, 3)
-        quantize8(x4, inv, out_ptr, rows, rmask, c8, 4)
-        quantize8(x5, inv, out_ptr, rows, rmask, c8, 5)
-        quantize8(x6, inv, out_ptr, rows, rmask, c8, 6)
-        quantize8(x7, inv, out_ptr, rows, rmask, c8, 7)
-        quantize8(x8, inv, out_ptr, rows, rmask, c8, 8)
-        quantize8(x9, inv, out_ptr, rows, rmask, c8, 9)
-        quantize8(x10, inv, out_ptr, rows, rmask, c8, 10)
-        quantize8(x11, inv, out_ptr, rows, rmask, c8, 11)
-        quantize8(x12, inv, out_ptr, rows, rmask, c8, 12)
-        quantize8(x13, inv, out_ptr, rows, rmask, c8, 13)
-        quantize8(x14, inv, out_ptr, rows, rmask, c8, 14)
-        quantize8(x15, inv, out_ptr, rows, rmask, c8, 15)
-        tl.store(scale_ptr + rows, scale, mask=rmask)
+        # one [BLOCK, 128] store: the compiler lays it out for whole 16-byte pieces of
+        # consecutive rows per warp (16 stores of 8 bytes strided by a row wrote partial
+        # sectors: a fraction of the write bandwidth)
+        y = join16(quant8(x0, inv), quant8(x1, inv), quant8(x2, inv), quant8(x3, inv), quant8(x4, inv),
+                   quant8(x5, inv), quant8(x6, inv), quant8(x7, inv), quant8(x8, inv), quant8(x9, inv),
+                   quant8(x10, inv), quant8(x11, inv), quant8(x12, inv), quant8(x13, inv), quant8(x14, inv),
+                   quant8(x15, inv), BLOCK)
+        tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], y, mask=rmask[:, None])
+        tl.store(scale_ptr + src, scale, mask=smask)
         # the folded head weight of each (row, head): ((w * H^-0.5) * scale) * D^-0.5 in FP32,
         # the order of the torch implementation
-        w = tl.load(w_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + src, mask=smask, other=0.0).to(tl.float32)
         w = mul_rn(mul_rn(mul_rn(w, tl.full((BLOCK,), INV_SQRT_H, tl.float32)), scale), tl.full((BLOCK,), INV_SQRT_D, tl.float32))
         tl.store(wout_ptr + rows, w, mask=rmask)
 
+    @triton.jit
+    def query_kernel_128(q_ptr, out_ptr, scale_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H,
+                         BLOCK: tl.constexpr):
+        # One (row, head) vector of D = 128 per thread, as 16 slices of 8 adjacent channels
+        # (x_m = channels 8m .. 8m + 7, one 16-byte load each): the butterfly stages
+        # h = 1, 2, 4 act inside a slice (registers of one thread), h = 8 .. 64 between
+        # slices m and m + h / 8 (element-wise). Same pairs and FP32 operations as
+        # `hadamard`, without the data movement of the generic kernel.
+        # Output vectors [0, NR); input vector i - PAD0 for i in [PAD0, PAD0 + NV), zero
+        # input (zero output, as the arithmetic gives) elsewhere: a program with no input
+        # vector only writes zeros.
+        pid = tl.program_id(0)
+        rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        rmask = rows < NR
+        c8 = tl.arange(0, 8)
+        v0 = pid * BLOCK
+        if (v0 + BLOCK <= PAD0) | (v0 >= PAD0 + NV):
+            zero = tl.zeros((BLOCK, 128), tl.float32).to(tl.float8e4nv)
+            tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], zero, mask=rmask[:, None])
+            tl.store(wout_ptr + rows, tl.zeros((BLOCK,), tl.float32), mask=rmask)
+        else:
+            query_vectors(q_ptr, out_ptr, scale_ptr, w_ptr, wout_ptr, rows, rmask, rows - PAD0,
+                          rmask & (rows >= PAD0) & (rows < PAD0 + NV), c8, INV_SQRT_D, INV_SQRT_H, BLOCK)
+
     return pool_kernel, query_kernel, query_kernel_128
+
+
+#: Register cap of the D = 128 query kernel: 3 programs of 128 threads per SM. The kernel
+#: needs 162-165 registers without spills (sm_90, Triton 3.6); one variant of its zero-row
+#: branch made the compiler take 212 uncapped (2 programs per SM).
+_QUERY_MAXNREG = 168
 
 
 @functools.lru_cache(maxsize=None)
@@ -287,7 +309,8 @@ def pools_serving(k, gates, ape, pool_tok_start, fp8: bool, block: int = 16):
     return (out, scale) if fp8 else out
 
 
-def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None = None, generic: bool = False):
+def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None = None, generic: bool = False,
+                before: int = 0, after: int = 0):  # fmt: skip
     """``(q8 [S, H, D] float8_e4m3fn, weights [S, H] float32)`` as
     ``serving.prepare_queries_fp8``: rotation and quantization in one kernel, the folded
     weights ``((w * H^-0.5) * q_scale) * D^-0.5`` (FP32).
@@ -295,27 +318,43 @@ def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None =
     ``D = 128`` runs a kernel that keeps each ``(row, head)`` vector in one thread's
     registers (``block`` vectors per program, default 128) and also writes the folded
     weights; other ``D`` (or ``generic=True``) the generic kernel (``block`` default 32),
-    the weights in torch. Both are bitwise equal to the torch implementation."""
+    the weights in torch. Both are bitwise equal to the torch implementation.
+
+    ``before`` / ``after``: that many all-zero rows in front of / behind the ``S`` rows of
+    both outputs (``[before + S + after, ...]``; what an all-zero input row gives), written
+    in place (the driver scores chunks of a fixed row grid from views)."""
     import triton
 
+    if before < 0 or after < 0:
+        raise ValueError(f"before, after: expected row counts >= 0, got {before}, {after}")
     _, query_kernel, query_kernel_128 = _kernels()
     S, H, D = q.shape
+    n = before + S + after
+    dev = q.device
+    q8 = torch.empty((n, H, D), dtype=torch.float8_e4m3fn, device=dev)
+    w = torch.empty((n, H), dtype=torch.float32, device=dev)
+    qs = torch.empty((S * H,), dtype=torch.float32, device=dev)  # the scales: folded into w only
     q2 = q.reshape(S * H, D).contiguous()
-    q8 = torch.empty((S * H, D), dtype=torch.float8_e4m3fn, device=q.device)
-    qs = torch.empty((S * H,), dtype=torch.float32, device=q.device)
-    if S * H and D == 128 and not generic:
-        # rotation, quantization and the folded weights in one kernel
+    if D == 128 and not generic:
+        # rotation, quantization, the folded weights and the zero rows in one kernel (no
+        # host call for the padding)
         block = block or 128
-        w = torch.empty((S, H), dtype=torch.float32, device=q.device)
-        grid = (triton.cdiv(S * H, block),)
-        query_kernel_128[grid](q2, q8, qs, head_weights.contiguous(), w, S * H, _inv_sqrt_fp32(D), _inv_sqrt_fp32(H),
-                               BLOCK=block, num_warps=max(1, block // 32))  # fmt: skip
-        return q8.view(S, H, D), w
+        if n * H:
+            query_kernel_128[(triton.cdiv(n * H, block),)](
+                q2, q8, qs, head_weights.contiguous(), w, n * H, before * H, S * H, _inv_sqrt_fp32(D),
+                _inv_sqrt_fp32(H), BLOCK=block, num_warps=max(1, block // 32), maxnreg=_QUERY_MAXNREG,
+            )  # fmt: skip
+        return q8, w
+    for t in (q8, w):  # the padding rows
+        t[:before].zero_()
+        t[before + S :].zero_()
     if S * H:
         block = block or 32
-        grid = (triton.cdiv(S * H, block),)
-        query_kernel[grid](q2, q8, qs, S * H, _inv_sqrt_fp32(D), D=D, LOG2D=D.bit_length() - 1, BLOCK=block)
-    w = head_weights.float() * _inv_sqrt_fp32(H)
-    w = w * qs.view(S, H)
-    w = w * _inv_sqrt_fp32(D)
-    return q8.view(S, H, D), w
+        query_kernel[(triton.cdiv(S * H, block),)](
+            q2, q8[before : before + S].view(S * H, D), qs, S * H, _inv_sqrt_fp32(D), D=D, LOG2D=D.bit_length() - 1,
+            BLOCK=block,
+        )  # fmt: skip
+    wf = head_weights.float() * _inv_sqrt_fp32(H)
+    wf = wf * qs.view(S, H)
+    w[before : before + S] = wf * _inv_sqrt_fp32(D)
+    return q8, w

@@ -302,6 +302,52 @@ def test_driver_scores_prepared_rows_once():
         assert calls == [n for n in n_real if n > 0]  # once per rank that has real rows
 
 
+def test_driver_scores_padded_prepared_rows_from_views():
+    # a backend that writes the zero rows around its prepared rows itself
+    # (pads_prepared): every chunk's scoring call gets a view of the one prepared buffer
+    # (no copies), laid out on the global chunk grid, and the result equals the plain
+    # backend at every world size
+    from sp_kpool.backends.base import grid_span
+    from sp_kpool.backends.torch_backend import TorchBackend
+
+    seen = []
+
+    class Padded(TorchBackend):
+        pads_prepared = True
+
+        def prepare_queries(self, problem, q, w, before=0, after=0):
+            qp = torch.nn.functional.pad(q.flip(-1), (0, 0, 0, 0, before, after), value=0.0)
+            wp = torch.nn.functional.pad(w.flip(-1), (0, 0, before, after), value=0.0)
+            seen.append({"q": qp, "w": wp, "before": before, "after": after, "chunks": []})
+            return qp, wp
+
+        def score_prepared(self, problem, pooled, q, w, lo, hi, starts, ends):
+            seen[-1]["chunks"].append((q, w))
+            return self.score(problem, pooled, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
+
+    x = make_inputs([37, 3, 60, 1, 29], heads=3, head_dim=8, kpool=4, seed=5)
+    opts = dict(topk=16, kpool=4, max_logits_bytes=20 * 32 * 7)  # chunks of a few rows
+    ref = torch.cat([TorchBackend().run(p) for p in _rank_problems(x, 1, **opts)])
+    padded_somewhere = False
+    for ws in (1, 2, 3, 5):
+        seen.clear()
+        probs = _rank_problems(x, ws, **opts)
+        out = torch.cat([Padded().run(p) for p in probs])
+        assert torch.equal(out[: ref.shape[0]], ref)
+        real = [p for p in probs if min(p.seq.shard_end, p.seq.num_real_tokens) > p.seq.shard_start]
+        assert len(seen) == len(real)  # once per rank with real rows
+        for p, s in zip(real, seen):
+            lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
+            C = s["chunks"][0][0].shape[0]
+            assert (lo - s["before"], hi + s["after"]) == grid_span(C, lo, hi)
+            padded_somewhere |= s["before"] + s["after"] > 0
+            base_ptr, row_bytes = s["q"].data_ptr(), s["q"][0].nbytes
+            offsets = [(q.data_ptr() - base_ptr) / row_bytes for q, _ in s["chunks"]]
+            assert len(set(offsets)) == len(offsets) and all(o % C == 0 for o in offsets)  # views on the grid
+            assert all(q.shape[0] == C and q._base is not None for q, _ in s["chunks"])
+    assert padded_somewhere  # the split puts shard edges inside chunks
+
+
 def test_prepare_queries_without_score_prepared_is_refused():
     from sp_kpool.backends.torch_backend import TorchBackend
 

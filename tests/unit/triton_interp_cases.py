@@ -333,3 +333,28 @@ def test_chunk_row_ranges_random_layouts():
         bounds = torch.stack([m.pool_lo[0::2], m.pool_hi[1::2]], dim=1)
         got = ts.chunk_row_ranges(cu, offs, bounds, lo, hi, first, C, kpool)
         assert torch.equal(got, row_ranges_torch(cu, offs, bounds, lo, hi, first, C, kpool)), (lengths, kpool, C, lo, hi)
+
+
+def test_out_rows_of_a_larger_tensor():
+    # the driver's path: the selector writes straight into rows of its output (row stride
+    # wider than k, garbage beforehand); every element of those rows is written, nothing
+    # around them
+    g = torch.Generator().manual_seed(11)
+    s = torch.randn(5, 700, generator=g)
+    starts, ends = torch.tensor([0, 3, 650, 0, 10]), torch.tensor([700, 600, 700, 0, 90])
+    base = torch.arange(5, dtype=torch.int64) * 1000 + 7
+    k = 64  # rows 2 and 4 have fewer visible cells, row 3 none
+    big = torch.full((9, k + 5), 12345, dtype=torch.int32)
+    out = big[2:7, 3 : 3 + k]
+    got = ts.topk_ascending(s, starts, ends, base, k, tile=256, out=out)
+    assert got is out
+    assert torch.equal(out, exact_ascending(s, starts, ends, base, k))
+    keep = torch.ones_like(big, dtype=torch.bool)
+    keep[2:7, 3 : 3 + k] = False
+    assert bool((big[keep] == 12345).all())
+    with pytest.raises(ValueError, match="out: expected an int32 tensor of shape"):
+        ts.topk_ascending(s, starts, ends, base, k, out=torch.empty((5, k), dtype=torch.int64))
+    with pytest.raises(ValueError, match="out: expected an int32 tensor of shape"):
+        ts.topk_ascending(s, starts, ends, base, k, out=torch.empty((5, k + 1), dtype=torch.int32))
+    with pytest.raises(ValueError, match="unit column stride"):
+        ts.topk_ascending(s, starts, ends, base, k, out=torch.empty((k, 5), dtype=torch.int32).t())
