@@ -340,6 +340,27 @@ def section_selectors(quick):
             ref = _ascending(topk_pools(scores, vis, k, 0)[0]).int()
             got = topk_ascending(scores, st, en, torch.zeros(R, dtype=torch.int64, device="cuda"), k)
             record("selectors", f"triton topk_ascending == exact, {N} columns, k={k}, levels={levels}", torch.equal(got, ref))
+    # the expansion kernel (token ids from the row metadata) against the CPU path of assemble
+    # (pool table): packed documents with unaligned starts, random visible pools per row
+    from sp_kpool.pooling import pool_table
+    from sp_kpool.selection import assemble, row_meta
+
+    for kpool, k, tail, alignment in ((4, 512, "fixed", 1), (4, 512, "compact", 1), (3, 64, "compact", 64), (1, 300, "fixed", 8)):
+        g = torch.Generator().manual_seed(kpool * 1000 + k)
+        cu = torch.tensor([0, 1, 4099, 4100, 20000, 32771])
+        rows = torch.randint(0, 32771, (4096,), generator=g)
+        pts, offs = pool_table(cu, kpool)
+        meta = row_meta(rows, cu, offs, kpool)
+        keys = torch.rand(rows.numel(), int(meta.n_visible.max()), generator=g)
+        keys = keys.masked_fill(torch.arange(keys.shape[1])[None] >= meta.n_visible[:, None], -1.0)
+        top = torch.topk(keys, k, dim=1)
+        pools = torch.where(top.values >= 0, meta.pool_lo[:, None] + top.indices, -1)
+        pools[::7, k // 2 :] = -1
+        want = assemble(pools, meta, pts, topk=k * kpool, kpool=kpool, tail=tail, order="score", alignment=alignment)
+        mc = type(meta)(**{f: getattr(meta, f).cuda() for f in ("rows", "pool_lo", "n_visible", "tail_len", "padding")})
+        got = assemble(pools.cuda(), mc, pts.cuda(), topk=k * kpool, kpool=kpool, tail=tail, order="score", alignment=alignment)
+        record("selectors", f"triton expansion == torch assemble kpool={kpool} k={k} tail={tail} alignment={alignment}",
+               torch.equal(got.cpu(), want), rows=rows.numel())  # fmt: skip
 
 
 RANK_BACKENDS: list = []

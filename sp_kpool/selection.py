@@ -376,7 +376,10 @@ def assemble(
     """Expand selected pools to token ids, add the tail, lay out the columns.
 
     Args:
-        pools: ``[R, k_sel]`` int64 global pool ids in score order, ``-1`` unused (last).
+        pools: ``[R, k_sel]`` int64 global pool ids in score order, ``-1`` unused (last);
+            each a visible pool of its row (``[meta.pool_lo, meta.pool_hi)``, as the
+            selectors return them: the CUDA path computes the token ids from the row's
+            metadata, the CPU path reads ``pool_tok_start``).
         meta: causal metadata of the ``R`` rows (real rows: a padding row must come with
             no pools; its tail is empty, so its output is all ``-1``).
         pool_tok_start: ``[P]`` int64, first token of each pool (same device as ``pools``).
@@ -405,7 +408,7 @@ def assemble(
         # the kernel writes every column (no -1 fill first)
         dest = dest if dest is not None else torch.empty((rows, width), dtype=torch.int32, device=device)
         return expand_pools(
-            p32, pool_tok_start, meta.rows, meta.tail_len, dest, topk=topk, kpool=kpool, tail=tail
+            p32, meta.rows, meta.tail_len, meta.pool_hi, dest, topk=topk, kpool=kpool, tail=tail
         )  # fmt: skip
     valid = p32 >= 0
     num_pools = pool_tok_start.numel()

@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run this file with TRITON_INTERPRET=1 (tests/unit/test_triton_interpreter.py does)")
 
 from sp_kpool.pooling import pool_table  # noqa: E402
-from sp_kpool.selection import RowMeta, _ascending, assemble, row_meta, topk_pools  # noqa: E402
+from sp_kpool.selection import _ascending, assemble, row_meta, topk_pools  # noqa: E402
 from sp_kpool.testing.triton_interp import interpreted_module  # noqa: E402
 
 ts = interpreted_module("sp_kpool.kernels.triton_select")
@@ -106,42 +106,53 @@ def test_nan_is_never_selected():
     run(s, torch.tensor([0, 0, 0]), torch.tensor([500, 500, 500]), 64, tile=128)
 
 
+def visible_pools(cu, rows, kpool, k, seed):
+    """(pools [R, k] int64, meta, pool_tok_start): for each row, up to k distinct pools of
+    its visible range in random order (some rows with fewer valid ones or none), -1 after."""
+    g = torch.Generator().manual_seed(seed)
+    pts, offs = pool_table(torch.tensor(cu), kpool)
+    meta = row_meta(rows, torch.tensor(cu), offs, kpool)
+    pools = torch.full((rows.numel(), k), -1, dtype=torch.int64)
+    for r in range(rows.numel()):
+        n = int(meta.n_visible[r])
+        m = min(n, k, int(torch.randint(0, k + 1, (1,), generator=g)) if r % 3 == 1 else k)
+        pools[r, :m] = meta.pool_lo[r] + torch.randperm(n, generator=g)[:m]
+    return pools, meta, pts
+
+
 @pytest.mark.parametrize("kpool,tail,alignment", [(4, "fixed", 1), (4, "compact", 64), (3, "compact", 1), (1, "fixed", 8)])
 def test_expand_equals_torch_assemble(kpool, tail, alignment):
-    g = torch.Generator().manual_seed(kpool)
-    R, k, P = 7, 6, 50
-    pools = torch.randint(0, P, (R, k), generator=g)
-    nvalid = torch.tensor([6, 0, 3, 6, 1, 5, 2])
-    pools = torch.where(torch.arange(k)[None] < nvalid[:, None], pools, -1)
-    pts = torch.arange(P, dtype=torch.int64) * kpool + 11
-    rows = torch.arange(R, dtype=torch.int64) * 31 + 500
-    tail_len = torch.arange(R, dtype=torch.int64) % kpool
-    meta = RowMeta(rows=rows, pool_lo=rows * 0, n_visible=rows * 0, tail_len=tail_len, padding=rows < 0)
+    # several documents: a row's pools lie in its own document, whose first token is not a
+    # multiple of kpool; the kernel computes the token ids from the row's metadata, the
+    # torch path reads the pool table
+    cu = [0, 13, 14, 57, 130]
+    rows = torch.tensor([0, 3, 12, 13, 20, 40, 56, 57, 60, 99, 129])
+    k = 6
+    pools, meta, pts = visible_pools(cu, rows, kpool, k, seed=kpool)
+    assert bool((pools >= 0).sum(1).max() == k) and bool(((pools >= 0).sum(1) < k).any())
     topk = k * kpool + 1  # a token budget that is not a multiple of kpool
     want = assemble(pools, meta, pts, topk=topk, kpool=kpool, tail=tail, order="score", alignment=alignment)
     out = torch.full_like(want, 12345)  # every column is written: no -1 fill needed
-    got = ts.expand_pools(pools.int(), pts, rows, tail_len, out, topk=topk, kpool=kpool, tail=tail)
+    got = ts.expand_pools(pools.int(), meta.rows, meta.tail_len, meta.pool_hi, out, topk=topk, kpool=kpool, tail=tail)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
     with pytest.raises(ValueError, match="out: expected a"):
-        ts.expand_pools(pools.int(), pts, rows, tail_len, out.t(), topk=topk, kpool=kpool, tail=tail)
+        ts.expand_pools(pools.int(), meta.rows, meta.tail_len, meta.pool_hi, out.t(), topk=topk, kpool=kpool, tail=tail)
 
 
 @pytest.mark.parametrize("tail", ["fixed", "compact"])
 def test_expand_rows_wider_than_one_block(tail):
     # 5001 columns: 2500 pools of 2 tokens (a [4096, 2] block) and a one-column remainder,
     # rows with all, some and no pools valid
-    g = torch.Generator().manual_seed(5)
-    R, k, P, kpool = 3, 2500, 9000, 2
-    pools = torch.randint(0, P, (R, k), generator=g)
+    k, kpool = 2500, 2
+    cu = [0, 7, 7 + 18001]
+    rows = torch.tensor([7 + 18000, 7 + 5001, 6])
+    pools, meta, pts = visible_pools(cu, rows, kpool, k, seed=5)
     pools[1, 2100:] = -1
-    pools[2] = -1
-    pts = torch.arange(P, dtype=torch.int64) * kpool
-    rows = torch.tensor([20000, 20001, 7], dtype=torch.int64)
-    tail_len = torch.tensor([1, 0, 1])
-    meta = RowMeta(rows=rows, pool_lo=rows * 0, n_visible=rows * 0, tail_len=tail_len, padding=rows < 0)
+    assert int((pools[2] >= 0).sum()) == 3  # row 6 of a 7-token document
     want = assemble(pools, meta, pts, topk=k * kpool, kpool=kpool, tail=tail, order="score", alignment=1)
     out = torch.full_like(want, 777)
-    assert torch.equal(ts.expand_pools(pools.int(), pts, rows, tail_len, out, topk=k * kpool, kpool=kpool, tail=tail), want)
+    got = ts.expand_pools(pools.int(), meta.rows, meta.tail_len, meta.pool_hi, out, topk=k * kpool, kpool=kpool, tail=tail)
+    assert torch.equal(got, want)
 
 
 def test_wide_rows_use_wider_groups():
