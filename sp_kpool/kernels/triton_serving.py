@@ -131,7 +131,7 @@ def _kernels():
         return tl.reshape(tl.permute(a, (0, 5, 4, 3, 2, 1)), (BLOCK, 128))
 
     @triton.jit
-    def query_vectors(q_ptr, out_ptr, scale_ptr, w_ptr, wout_ptr, rows, rmask, src, smask, c8, INV_SQRT_D, INV_SQRT_H,
+    def query_vectors(q_ptr, out_ptr, w_ptr, wout_ptr, rows, rmask, src, smask, c8, INV_SQRT_D, INV_SQRT_H,
                       BLOCK: tl.constexpr):
         # the vectors `rows` of the output from the input vectors `src` (zero where not smask)
         ptr = q_ptr + src[:, None] * 128 + c8[None, :]
@@ -238,7 +238,6 @@ def _kernels():
                    quant8(x10, inv), quant8(x11, inv), quant8(x12, inv), quant8(x13, inv), quant8(x14, inv),
                    quant8(x15, inv), BLOCK)
         tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], y, mask=rmask[:, None])
-        tl.store(scale_ptr + src, scale, mask=smask)
         # the folded head weight of each (row, head): ((w * H^-0.5) * scale) * D^-0.5 in FP32,
         # the order of the torch implementation
         w = tl.load(w_ptr + src, mask=smask, other=0.0).to(tl.float32)
@@ -246,7 +245,7 @@ def _kernels():
         tl.store(wout_ptr + rows, w, mask=rmask)
 
     @triton.jit
-    def query_kernel_128(q_ptr, out_ptr, scale_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H,
+    def query_kernel_128(q_ptr, out_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H,
                          BLOCK: tl.constexpr):
         # One (row, head) vector of D = 128 per thread, as 16 slices of 8 adjacent channels
         # (x_m = channels 8m .. 8m + 7, one 16-byte load each): the butterfly stages
@@ -266,7 +265,7 @@ def _kernels():
             tl.store(out_ptr + rows[:, None] * 128 + tl.arange(0, 128)[None, :], zero, mask=rmask[:, None])
             tl.store(wout_ptr + rows, tl.zeros((BLOCK,), tl.float32), mask=rmask)
         else:
-            query_vectors(q_ptr, out_ptr, scale_ptr, w_ptr, wout_ptr, rows, rmask, rows - PAD0,
+            query_vectors(q_ptr, out_ptr, w_ptr, wout_ptr, rows, rmask, rows - PAD0,
                           rmask & (rows >= PAD0) & (rows < PAD0 + NV), c8, INV_SQRT_D, INV_SQRT_H, BLOCK)
 
     return pool_kernel, query_kernel, query_kernel_128
@@ -333,21 +332,21 @@ def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None =
     dev = q.device
     q8 = torch.empty((n, H, D), dtype=torch.float8_e4m3fn, device=dev)
     w = torch.empty((n, H), dtype=torch.float32, device=dev)
-    qs = torch.empty((S * H,), dtype=torch.float32, device=dev)  # the scales: folded into w only
     q2 = q.reshape(S * H, D).contiguous()
     if D == 128 and not generic:
         # rotation, quantization, the folded weights and the zero rows in one kernel (no
-        # host call for the padding)
+        # host call for the padding; the scales exist only folded into the weights)
         block = block or 128
         if n * H:
             query_kernel_128[(triton.cdiv(n * H, block),)](
-                q2, q8, qs, head_weights.contiguous(), w, n * H, before * H, S * H, _inv_sqrt_fp32(D),
+                q2, q8, head_weights.contiguous(), w, n * H, before * H, S * H, _inv_sqrt_fp32(D),
                 _inv_sqrt_fp32(H), BLOCK=block, num_warps=max(1, block // 32), maxnreg=_QUERY_MAXNREG,
             )  # fmt: skip
         return q8, w
     for t in (q8, w):  # the padding rows
         t[:before].zero_()
         t[before + S :].zero_()
+    qs = torch.empty((S * H,), dtype=torch.float32, device=dev)
     if S * H:
         block = block or 32
         query_kernel[(triton.cdiv(S * H, block),)](
