@@ -1,0 +1,12 @@
+set -u
+source gpu9/setup.sh
+mkdir -p $OUT/check $OUT/whole $OUT/trace $OUT/bk
+env_txt > $OUT/env.txt; cat $OUT/env.txt
+timeout 300 python3 scripts/gpu_check.py --quick --sections serving-kernels,selectors,deepgemm,ranks --ranks-backends deepgemm --out $OUT/check > $OUT/check/check.log 2>&1
+echo "gpu_check rc=$? PASS $(grep -c PASS $OUT/check/check.log) FAIL $(grep -c FAIL $OUT/check/check.log)"; grep FAIL $OUT/check/check.log | cut -c1-300 | head
+timeout 90 python3 gpu9/expand_exp.py > $OUT/expand_exp.log 2>&1; echo "expand rc=$?"; grep -v "Warn\|_warn" $OUT/expand_exp.log | tail -12
+OUT=$OUT/whole timeout 200 python3 gpu9/whole2.py 32,64 > $OUT/whole/whole.log 2>&1; echo "whole rc=$?"; grep "^H=" $OUT/whole/whole.log
+timeout 60 python3 gpu9/trace_cuda.py 32 > $OUT/trace/trace_h32.txt 2>&1; echo "trace rc=$?"; grep -v "Warn\|_warn" $OUT/trace/trace_h32.txt | cut -c1-100 | head -30
+OUT=$OUT/bk timeout 200 python3 scripts/bench_kernels.py --arms fp8 --heads 32,64 > /tmp/bk.log 2>&1; echo "bk rc=$?"; python3 -c "
+import json; r=json.load(open('$OUT/bk/bench_kernels.json'))
+for x in r['runs']: print(x['H'], {k: (round(v,3) if isinstance(v,float) else v) for k,v in x.items() if k.endswith('ms') or 'over' in k})"
