@@ -143,8 +143,9 @@ def bench_host_ahead(fn, reps=5):
 
 def deepgemm_chunked(p, fn, q8, wq, kv):
     """DeepGEMM alone, as the driver calls it: the same chunk grid and row ranges
-    (``stage_tables``, ``row_ranges_torch``), zero-padded partial chunks, the same kv
-    slices (inputs built outside the timing), ``clean_logits=False``."""
+    (``stage_tables``, ``row_ranges_torch``), zero rows around the rows of partial chunks
+    (the driver's views of its padded buffer hold the same values), the same kv slices
+    (inputs built outside the timing), ``clean_logits=False``."""
     from sp_kpool.backends.base import pad_rows, row_ranges_torch, stage_tables
 
     be = BACKENDS["deepgemm"]

@@ -17,6 +17,8 @@ for bit on CPU (gloo), and on an H200 for the TileLang and DeepGEMM kernels.
 from __future__ import annotations
 
 import bisect
+import functools
+import inspect
 import os
 import time
 from collections import OrderedDict
@@ -359,6 +361,21 @@ def _check_query_hooks(backend: Backend) -> None:
         )
 
 
+@functools.lru_cache(maxsize=None)
+def _check_pads(cls: type) -> None:
+    """A backend class with ``pads_prepared`` set must take ``before=`` / ``after=`` in
+    ``prepare_queries`` (a subclass that overrides the hook without them inherits the flag)."""
+    try:
+        params = inspect.signature(cls.prepare_queries).parameters
+    except (TypeError, ValueError):  # no signature to read: trust the flag
+        return
+    if not {"before", "after"} <= set(params) and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise TypeError(
+            f"backend {cls.__name__}: pads_prepared is set, so prepare_queries must take before= and after= "
+            f"(its parameters: {list(params)}); set pads_prepared = False or add them"
+        )
+
+
 def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:
     """``[2, n_chunks * C]`` int32 ``[start, end)`` of every row of the chunk grid relative
     to its chunk's pool range (see :func:`sp_kpool.kernels.triton_select.chunk_row_ranges`,
@@ -385,6 +402,7 @@ def prepare_rows(backend: Backend, problem: Problem, q, w, C: int, lo_row: int, 
     if not backend.pads_prepared or hi_row <= lo_row:
         qp, wp = backend.prepare_queries(problem, q, w)
         return qp, wp, lo_row
+    _check_pads(type(backend))
     first, end = grid_span(C, lo_row, hi_row)
     qp, wp = backend.prepare_queries(problem, q, w, before=lo_row - first, after=end - hi_row)
     return qp, wp, first

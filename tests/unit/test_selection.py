@@ -348,6 +348,29 @@ def test_driver_scores_padded_prepared_rows_from_views():
     assert padded_somewhere  # the split puts shard edges inside chunks
 
 
+def test_pads_prepared_without_before_after_is_refused():
+    # a subclass that overrides prepare_queries without before= / after= but inherits
+    # pads_prepared = True: a clear error, not a TypeError from deep in the driver
+    from sp_kpool.backends.torch_backend import TorchBackend
+
+    class Padded(TorchBackend):
+        pads_prepared = True
+
+        def prepare_queries(self, problem, q, w, before=0, after=0):
+            return q, w
+
+        def score_prepared(self, problem, pooled, q, w, lo, hi, starts, ends):
+            return self.score(problem, pooled, q, w, lo, hi, starts, ends)
+
+    class Forgot(Padded):
+        def prepare_queries(self, problem, q, w):
+            return q, w
+
+    p = _rank_problems(make_inputs([40], heads=2, head_dim=8, kpool=4), 2, topk=8, kpool=4, max_logits_bytes=1 << 20)[1]
+    with pytest.raises(TypeError, match=r"pads_prepared is set, so prepare_queries must take before= and after="):
+        Forgot().run(p)
+
+
 def test_prepare_queries_without_score_prepared_is_refused():
     from sp_kpool.backends.torch_backend import TorchBackend
 
