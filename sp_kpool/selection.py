@@ -15,6 +15,8 @@ host synchronisation.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +61,10 @@ class RowMeta:
     tail_len: torch.Tensor
     padding: torch.Tensor
 
-    @property
+    @functools.cached_property
     def pool_hi(self) -> torch.Tensor:
-        """End (exclusive) of the visible pool range, ``pool_lo + n_visible``."""
+        """End (exclusive) of the visible pool range, ``pool_lo + n_visible`` (computed once
+        per object: the driver keeps its rows' metadata across calls)."""
         return self.pool_lo + self.n_visible
 
 

@@ -328,7 +328,7 @@ def stage_tables(backend: Backend, problem: Problem, lo_row: int, hi_row: int, g
         def doc(r):  # document of the real row r
             return bisect.bisect_right(cu, r) - 1
 
-        for g0 in range((lo_row // C) * C, hi_row, C):
+        for g0 in range(*grid_span(C, lo_row, hi_row), C):
             g1 = min(g0 + C, seq.num_real_tokens)
             d0, d1 = doc(g0), doc(g1 - 1)
             grid.append((g0, g1, offs[d0], offs[d1] + (g1 - 1 - cu[d1] + 1) // K))

@@ -273,6 +273,18 @@ def _rank_problems(x, world_size, **opts):
             for s, d in zip(seqs, local)]  # fmt: skip
 
 
+def _prepared_cases():
+    """``(world_size, rank problems, world-size-1 output of the torch backend)`` for the
+    prepared-rows tests: five documents, chunks of a few rows, world sizes 1, 2, 3 and 5."""
+    from sp_kpool.backends.torch_backend import TorchBackend
+
+    x = make_inputs([37, 3, 60, 1, 29], heads=3, head_dim=8, kpool=4, seed=5)
+    opts = dict(topk=16, kpool=4, max_logits_bytes=20 * 32 * 7)  # chunks of a few rows
+    ref = torch.cat([TorchBackend().run(p) for p in _rank_problems(x, 1, **opts)])
+    for ws in (1, 2, 3, 5):
+        yield ws, _rank_problems(x, ws, **opts), ref
+
+
 def test_driver_scores_prepared_rows_once():
     # a backend whose preparation changes the rows (channels reversed; score_prepared
     # reverses them back): the driver must prepare each call's rows exactly once and pass
@@ -290,12 +302,8 @@ def test_driver_scores_prepared_rows_once():
         def score_prepared(self, problem, pooled, q, w, lo, hi, starts, ends):
             return self.score(problem, pooled, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
 
-    x = make_inputs([37, 3, 60, 1, 29], heads=3, head_dim=8, kpool=4, seed=5)
-    opts = dict(topk=16, kpool=4, max_logits_bytes=20 * 32 * 7)  # chunks of a few rows
-    ref = torch.cat([TorchBackend().run(p) for p in _rank_problems(x, 1, **opts)])
-    for ws in (1, 2, 3, 5):
+    for _ws, probs, ref in _prepared_cases():
         calls.clear()
-        probs = _rank_problems(x, ws, **opts)
         out = torch.cat([Flipped().run(p) for p in probs])
         assert torch.equal(out[: ref.shape[0]], ref)
         n_real = [max(0, min(p.seq.shard_end, p.seq.num_real_tokens) - p.seq.shard_start) for p in probs]
@@ -325,13 +333,9 @@ def test_driver_scores_padded_prepared_rows_from_views():
             seen[-1]["chunks"].append((q, w))
             return self.score(problem, pooled, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
 
-    x = make_inputs([37, 3, 60, 1, 29], heads=3, head_dim=8, kpool=4, seed=5)
-    opts = dict(topk=16, kpool=4, max_logits_bytes=20 * 32 * 7)  # chunks of a few rows
-    ref = torch.cat([TorchBackend().run(p) for p in _rank_problems(x, 1, **opts)])
     padded_somewhere = False
-    for ws in (1, 2, 3, 5):
+    for _ws, probs, ref in _prepared_cases():
         seen.clear()
-        probs = _rank_problems(x, ws, **opts)
         out = torch.cat([Padded().run(p) for p in probs])
         assert torch.equal(out[: ref.shape[0]], ref)
         real = [p for p in probs if min(p.seq.shard_end, p.seq.num_real_tokens) > p.seq.shard_start]
