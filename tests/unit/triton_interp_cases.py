@@ -90,6 +90,8 @@ def test_bad_arguments():
         ts.topk_ascending(s, base, base + 8, base, 2, search="radix")
     with pytest.raises(ValueError, match="min_group: expected 4 or 8, got 2"):
         ts.topk_ascending(s, base, base + 8, base, 2, min_group=2)
+    with pytest.raises(ValueError, match="vsteps: expected an int >= 0, got -1"):
+        ts.topk_ascending(s, base, base + 8, base, 2, vsteps=-1)
     wide = torch.zeros(1, 140000)
     one = torch.zeros(1, dtype=torch.int64)
     assert ts.supports(70000, 2048) and not ts.supports(140000, 2048)
@@ -246,6 +248,27 @@ def test_searches_on_skewed_rows(kind):
     starts, ends = torch.tensor([0, 1, 17]), torch.tensor([n, n - 3, 2000])
     for k in (1, 100, 130):
         run(s.float(), starts, ends, k)
+
+
+@pytest.mark.parametrize("vsteps,ways", [(0, 3), (1, 2), (64, 3), (64, 2)])
+def test_value_split_steps_of_phase_two(vsteps, ways):
+    # phase 2's first steps split the bracket in FP32 value (vsteps; 64: every step): the
+    # same exact answer on rows whose values span binades, infinities, denormals and ties
+    g = torch.Generator().manual_seed(21)
+    n = 3000
+    s = torch.randn(6, n, generator=g)
+    s[1] = torch.exp(torch.randn(n, generator=g) * 8)
+    s[2, ::89] = float("inf")  # visible, the largest key
+    s[2, 1::7] = -3e38
+    s[3] = torch.randn(n, generator=g) * 1e-40  # denormals
+    s[3, 5::101] = 3e38
+    s[4] = torch.randint(-2, 3, (n,), generator=g).float()  # exact ties, -0.0 and +0.0 among them
+    s[4, ::5] = -0.0
+    s[5] = -float("inf")
+    s[5, 0:600:8] = torch.randn(75, generator=g)  # fewer visible groups than k
+    starts, ends = torch.tensor([0, 1, 17, 0, 3, 0]), torch.tensor([n, n - 3, 2000, n, n, n])
+    for k in (1, 100, 130):
+        run(s, starts, ends, k, vsteps=vsteps, ways=ways)
 
 
 def test_odd_width_last_row_and_strided_rows():
