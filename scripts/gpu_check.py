@@ -156,6 +156,27 @@ def section_serving_kernels(quick):
                   and bool((pw[:before] == zw).all()) and bool((pw[before + S :] == zw).all())
                   and int(z8.view(torch.uint8).max()) == 0 and int(zw.abs().max()) == 0)  # fmt: skip
             record("serving-kernels", f"fp8 queries S={S} H={H} D={D} generic={generic} zero rows {before}+{after}", ok)
+    # pools and queries in one launch (the deepgemm backend's driver path): the same bits as
+    # the two kernels, themselves equal to the torch implementation above
+    from sp_kpool.kernels.triton_serving import prepare_fp8
+
+    for S, H, D, K, before, after in [(4099, 32, 128, 4, 3, 5), (1000, 64, 128, 16, 0, 0), (4096, 64, 128, 4, 1000, 777),
+                                      (777, 16, 64, 4, 2, 2)]:  # fmt: skip
+        g = torch.Generator(device="cuda").manual_seed(S + H)
+        k = torch.randn(S, D, generator=g, device="cuda").bfloat16()
+        gates = (torch.randn(S, D, generator=g, device="cuda") * 3).bfloat16()
+        ape = torch.randn(K, D, generator=g, device="cuda").bfloat16()
+        q = torch.randn(S, H, D, generator=g, device="cuda").bfloat16()
+        w = torch.randn(S, H, generator=g, device="cuda").bfloat16()
+        starts = pool_table(torch.tensor([0, S // 3, S]), K)[0].cuda()
+        (k8, ks), (q8, wq) = prepare_fp8(q, w, k, gates, ape, starts, before=before, after=after)
+        r8, rs = pools_serving(k, gates, ape, starts, fp8=True)
+        p8, pw = queries_fp8(q, w, before=before, after=after)
+        ok = (torch.equal(k8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(ks, rs)
+              and torch.equal(q8.view(torch.uint8), p8.view(torch.uint8)) and torch.equal(wq, pw))  # fmt: skip
+        record("serving-kernels", f"prepare_fp8 (one launch) S={S} H={H} D={D} K={K} zero rows {before}+{after}", ok,
+               pools=starts.numel(), differing_pool_values=int((k8.view(torch.uint8) != r8.view(torch.uint8)).sum()),
+               differing_query_values=int((q8.view(torch.uint8) != p8.view(torch.uint8)).sum()))  # fmt: skip
 
 
 def _run(name, problem):

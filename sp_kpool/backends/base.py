@@ -33,7 +33,8 @@ from .._probe import probe
 from ..selection import assemble, output_width, row_meta, select_pools
 from ..sharding import ShardedSequence
 
-__all__ = ["Problem", "Backend", "stage", "round_rows", "pad_rows", "grid_span", "prepare_rows", "run_chunked", "select_rows",
+__all__ = ["Problem", "Backend", "stage", "round_rows", "pad_rows", "grid_span", "prepare_rows", "pool_and_prepare_rows",
+           "run_chunked", "select_rows",
            "stage_tables", "clear_table_cache", "default_max_logits_bytes", "MAX_CHUNK_ROWS"]  # fmt: skip
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
@@ -191,6 +192,20 @@ class Backend:
 
     #: :meth:`prepare_queries` takes ``before=`` / ``after=`` zero rows around its output.
     pads_prepared: bool = False
+
+    #: :meth:`pool_and_prepare` pools and prepares the queries in one step (e.g. one kernel
+    #: launch: each launch costs host time before the first scoring call). The driver then
+    #: calls it instead of :meth:`pool` and :meth:`prepare_queries` when it pools (the
+    #: ``"pool"`` stage time then holds both). Needs :attr:`pads_prepared`.
+    pools_with_queries: bool = False
+
+    def pool_and_prepare(self, problem: Problem, pool_tok_start: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
+                         before: int = 0, after: int = 0) -> tuple[Any, Any, Any]:  # fmt: skip
+        """``(pooled, q', w')``: :meth:`pool` of ``pool_tok_start [P]`` and
+        :meth:`prepare_queries` of ``q [R, H, D]``, ``w [R, H]`` with ``before`` / ``after``
+        zero rows, in one step; the same values as the two calls (default: the two calls)."""
+        pooled = self.pool(problem, pool_tok_start)
+        return (pooled, *self.prepare_queries(problem, q, w, before=before, after=after))
 
     def score_prepared(self, problem: Problem, pooled: Any, q: Any, w: Any, lo: int, hi: int,
                        starts: torch.Tensor, ends: torch.Tensor):  # fmt: skip
@@ -408,6 +423,22 @@ def prepare_rows(backend: Backend, problem: Problem, q, w, C: int, lo_row: int, 
     return qp, wp, first
 
 
+def pool_and_prepare_rows(backend: Backend, problem: Problem, pool_tok_start: torch.Tensor, q, w, C: int, lo_row: int,
+                          hi_row: int) -> tuple[Any, tuple[Any, Any, int]]:  # fmt: skip
+    """``(pooled, (q', w', first))``: :meth:`Backend.pool_and_prepare` of the pools and of
+    the rows ``[lo_row, hi_row)``, the prepared rows laid out as :func:`prepare_rows` lays
+    them (zero rows out to the edges of their chunks of ``C`` rows). A backend without
+    :attr:`Backend.pools_with_queries` and :attr:`Backend.pads_prepared`, no pools or no
+    rows: the separate steps (``pooled`` is ``None`` without pools: nothing is scored)."""
+    if not (backend.pools_with_queries and backend.pads_prepared) or not pool_tok_start.numel() or hi_row <= lo_row:
+        pooled = backend.pool(problem, pool_tok_start) if pool_tok_start.numel() else None
+        return pooled, prepare_rows(backend, problem, q, w, C, lo_row, hi_row)
+    _check_pads(type(backend))
+    first, end = grid_span(C, lo_row, hi_row)
+    pooled, qp, wp = backend.pool_and_prepare(problem, pool_tok_start, q, w, before=lo_row - first, after=end - hi_row)
+    return pooled, (qp, wp, first)
+
+
 def select_rows(
     backend: Backend,
     problem: Problem,
@@ -525,18 +556,24 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
     if own_hi <= own_lo:  # this shard holds only padding
         return torch.full((seq.shard_size, width), -1, dtype=torch.int32, device=device)
     n = own_hi - own_lo
-    # the queries' preparation first: it needs no host tables, and the host builds them
-    # (and copies them over, once) while the device works; the output is allocated after
-    # the scoring calls are queued (each host step before the first one delays it on a
-    # cold call)
+    q, w = problem.q[:n], problem.head_weights[:n]
+    # one step for the pools and the queries where the backend has it; else the queries'
+    # preparation first: it needs no host tables, and the host builds them (and copies them
+    # over, once) while the device works. The output is allocated after the scoring calls
+    # are queued (each host step before the first one delays it on a cold call)
+    fused = pooled is None and backend.pools_with_queries and backend.pads_prepared
     with stage(problem, "score"):
         # the chunk rows from host arithmetic only (the tables come after the query kernel
         # is queued)
         geometry = _geometry(backend, problem)
-        prepared = prepare_rows(backend, problem, problem.q[:n], problem.head_weights[:n], geometry[2], own_lo, own_hi)
+        if not fused:
+            prepared = prepare_rows(backend, problem, q, w, geometry[2], own_lo, own_hi)
     staged = stage_tables(backend, problem, own_lo, own_hi, geometry)
     pts_dev, cu_dev, offs_dev = staged.pool_tok_start, staged.cu, staged.offs
-    if pooled is None and pts_dev.numel():
+    if fused:
+        with stage(problem, "pool"):
+            pooled, prepared = pool_and_prepare_rows(backend, problem, pts_dev, q, w, geometry[2], own_lo, own_hi)
+    elif pooled is None and pts_dev.numel():
         with stage(problem, "pool"):
             pooled = backend.pool(problem, pts_dev)
     pools = select_rows(backend, problem, pooled, own_lo, own_hi, None, None, staged, prepared)

@@ -1,7 +1,8 @@
 """``backend="deepgemm"``: the FP8 serving arithmetic on Hopper GPUs (SPEC 6, 8).
 
 Pools and queries by the Triton kernels of :mod:`sp_kpool.kernels.triton_serving`
-(bitwise equal to :mod:`sp_kpool.serving`), scores by DeepGEMM's ``fp8_mqa_logits``
+(bitwise equal to :mod:`sp_kpool.serving`; one launch for both when the driver pools),
+scores by DeepGEMM's ``fp8_mqa_logits``
 (``(q8, (k8, k_scale), weights', ks, ke)``), query rows chunked so that the real logits
 storage never exceeds ``max_logits_bytes`` (checked on every call).
 
@@ -136,6 +137,19 @@ class DeepGemmBackend(Backend):
         from ..kernels.triton_serving import queries_fp8
 
         return queries_fp8(q, w, before=before, after=after)
+
+    #: pools and queries in one kernel launch (``triton_serving.prepare_fp8``)
+    pools_with_queries = True
+
+    def pool_and_prepare(self, problem, pool_tok_start, q, w, before: int = 0, after: int = 0):
+        """:meth:`pool` and :meth:`prepare_queries` in one kernel launch (bit for bit the same
+        values): ``((k8 [P, D], k_scale [P]), q8 [before + R + after, H, D], w [before + R +
+        after, H])``."""
+        from ..kernels.triton_serving import prepare_fp8
+
+        pooled, (q8, wq) = prepare_fp8(q, w, problem.k, problem.gates, problem.ape, pool_tok_start, before=before,
+                                       after=after)  # fmt: skip
+        return pooled, q8, wq
 
     def score(self, problem, pooled, q, w, lo, hi, starts, ends):
         q8, wq = self.prepare_queries(problem, q, w)

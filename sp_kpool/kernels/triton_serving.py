@@ -4,6 +4,7 @@
   either BF16 storage (``bf16-serving``) or BF16 round -> Hadamard -> BF16 round -> E4M3
   with a UE8M0 scale per pool (``fp8``), in one kernel.
 * :func:`queries_fp8`: Hadamard -> BF16 round -> E4M3 with a scale per (row, head).
+* :func:`prepare_fp8`: both of the FP8 ones in one launch (the same kernel code).
 
 Exactness: products and sums that torch runs as separate kernels are written as PTX
 ``mul.rn.f32`` / ``add.rn.f32`` (never contracted into an FMA), divisions as
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-__all__ = ["pools_serving", "queries_fp8"]
+__all__ = ["pools_serving", "queries_fp8", "prepare_fp8"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,7 +72,13 @@ def _kernels():
     @triton.jit
     def pool_kernel(k_ptr, g_ptr, ape_ptr, start_ptr, out_ptr, scale_ptr, P, stride_k, stride_g, INV_SQRT_D,
                     K: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
-        pid = tl.program_id(0)
+        pool_program(tl.program_id(0), k_ptr, g_ptr, ape_ptr, start_ptr, out_ptr, scale_ptr, P, stride_k, stride_g,
+                     INV_SQRT_D, K, D, LOG2D, BLOCK, FP8)  # fmt: skip
+
+    @triton.jit
+    def pool_program(pid, k_ptr, g_ptr, ape_ptr, start_ptr, out_ptr, scale_ptr, P, stride_k, stride_g, INV_SQRT_D,
+                     K: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+        # pools pid * BLOCK .. pid * BLOCK + BLOCK - 1
         rows = pid * BLOCK + tl.arange(0, BLOCK)
         rmask = rows < P
         cols = tl.arange(0, D)
@@ -247,6 +254,26 @@ def _kernels():
     @triton.jit
     def query_kernel_128(q_ptr, out_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H,
                          BLOCK: tl.constexpr):
+        query_program_128(tl.program_id(0), q_ptr, out_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H,
+                          BLOCK)  # fmt: skip
+
+    @triton.jit
+    def prepare_fp8_kernel(q_ptr, q8_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H, NQP,
+                           k_ptr, g_ptr, ape_ptr, start_ptr, k8_ptr, kscale_ptr, P, stride_k, stride_g,
+                           K: tl.constexpr, QBLOCK: tl.constexpr, PBLOCK: tl.constexpr):
+        # one launch for both preparations of the FP8 scoring (D = 128): programs [0, NQP)
+        # run query_kernel_128's program, the others pool_kernel's (FP8); the same code, so
+        # the same bits as the two launches
+        pid = tl.program_id(0)
+        if pid < NQP:
+            query_program_128(pid, q_ptr, q8_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H, QBLOCK)
+        else:
+            pool_program(pid - NQP, k_ptr, g_ptr, ape_ptr, start_ptr, k8_ptr, kscale_ptr, P, stride_k, stride_g,
+                         INV_SQRT_D, K, 128, 7, PBLOCK, True)  # fmt: skip
+
+    @triton.jit
+    def query_program_128(pid, q_ptr, out_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H,
+                          BLOCK: tl.constexpr):
         # One (row, head) vector of D = 128 per thread, as 16 slices of 8 adjacent channels
         # (x_m = channels 8m .. 8m + 7, one 16-byte load each): the butterfly stages
         # h = 1, 2, 4 act inside a slice (registers of one thread), h = 8 .. 64 between
@@ -255,7 +282,6 @@ def _kernels():
         # Output vectors [0, NR); input vector i - PAD0 for i in [PAD0, PAD0 + NV), zero
         # input (zero output, as the arithmetic gives) elsewhere: a program with no input
         # vector only writes zeros.
-        pid = tl.program_id(0)
         rows = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
         rmask = rows < NR
         c8 = tl.arange(0, 8)
@@ -268,7 +294,7 @@ def _kernels():
             query_vectors(q_ptr, out_ptr, w_ptr, wout_ptr, rows, rmask, rows - PAD0,
                           rmask & (rows >= PAD0) & (rows < PAD0 + NV), c8, INV_SQRT_D, INV_SQRT_H, BLOCK)
 
-    return pool_kernel, query_kernel, query_kernel_128
+    return pool_kernel, query_kernel, query_kernel_128, prepare_fp8_kernel
 
 
 #: Register cap of the D = 128 query kernel: 3 programs of 128 threads per SM. The kernel
@@ -326,7 +352,7 @@ def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None =
 
     if before < 0 or after < 0:
         raise ValueError(f"before, after: expected row counts >= 0, got {before}, {after}")
-    _, query_kernel, query_kernel_128 = _kernels()
+    _, query_kernel, query_kernel_128, _ = _kernels()
     S, H, D = q.shape
     n = before + S + after
     dev = q.device
@@ -357,3 +383,42 @@ def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None =
     wf = wf * qs.view(S, H)
     w[before : before + S] = wf * _inv_sqrt_fp32(D)
     return q8, w
+
+
+def prepare_fp8(q: torch.Tensor, head_weights: torch.Tensor, k, gates, ape, pool_tok_start: torch.Tensor,
+                before: int = 0, after: int = 0):  # fmt: skip
+    """``((k8, k_scale), (q8, w))``: :func:`pools_serving` ``(k, gates, ape, pool_tok_start,
+    fp8=True)`` and :func:`queries_fp8` ``(q, head_weights, before=, after=)``, equal to them
+    bit for bit, in **one** kernel launch where ``D = 128`` (the same kernel code; each
+    launch costs host time before the first scoring call). Other shapes (or nothing to
+    pool, or no query rows) call the two functions.
+
+    Shapes and dtypes as the two functions: ``q [S, H, 128]``, ``head_weights [S, H]``,
+    ``k``, ``gates`` ``[N, 128]``, ``ape [K, 128]``, ``pool_tok_start [P]`` int64 (CUDA);
+    returns ``k8 [P, 128]`` float8_e4m3fn, ``k_scale [P]`` float32, ``q8 [before + S +
+    after, H, 128]`` float8_e4m3fn, ``w [before + S + after, H]`` float32."""
+    import triton
+
+    if before < 0 or after < 0:
+        raise ValueError(f"before, after: expected row counts >= 0, got {before}, {after}")
+    S, H, D = q.shape
+    P, K = pool_tok_start.numel(), ape.shape[0]
+    n = before + S + after
+    if D != 128 or k.shape[1] != 128 or P == 0 or n * H == 0:
+        return pools_serving(k, gates, ape, pool_tok_start, fp8=True), queries_fp8(q, head_weights, before=before, after=after)
+    kernel = _kernels()[3]
+    dev = q.device
+    q8 = torch.empty((n, H, D), dtype=torch.float8_e4m3fn, device=dev)
+    w = torch.empty((n, H), dtype=torch.float32, device=dev)
+    k8 = torch.empty((P, D), dtype=torch.float8_e4m3fn, device=dev)
+    k_scale = torch.empty((P,), dtype=torch.float32, device=dev)
+    k = k if k.stride(1) == 1 else k.contiguous()
+    gates = gates if gates.stride(1) == 1 else gates.contiguous()
+    qblock, pblock = 128, 16  # the defaults of queries_fp8 and pools_serving
+    nqp = triton.cdiv(n * H, qblock)
+    kernel[(nqp + triton.cdiv(P, pblock),)](
+        q.reshape(S * H, D).contiguous(), q8, head_weights.contiguous(), w, n * H, before * H, S * H, _inv_sqrt_fp32(D),
+        _inv_sqrt_fp32(H), nqp, k, gates, ape.contiguous(), pool_tok_start.contiguous(), k8, k_scale, P, k.stride(0),
+        gates.stride(0), K=K, QBLOCK=qblock, PBLOCK=pblock, num_warps=qblock // 32, maxnreg=_QUERY_MAXNREG,
+    )  # fmt: skip
+    return (k8, k_scale), (q8, w)

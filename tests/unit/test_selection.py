@@ -352,6 +352,65 @@ def test_driver_scores_padded_prepared_rows_from_views():
     assert padded_somewhere  # the split puts shard edges inside chunks
 
 
+def test_driver_pools_and_prepares_in_one_step():
+    # a backend with pools_with_queries: the driver calls pool_and_prepare once per rank that
+    # has rows and pools (never pool or prepare_queries separately), its prepared rows laid
+    # on the global chunk grid as prepare_rows lays them; the result equals the plain backend
+    # at every world size. Gathered pools (pooled given) take the separate path.
+    from sp_kpool.backends.base import _geometry, grid_span
+    from sp_kpool.backends.torch_backend import TorchBackend
+    from sp_kpool.pooling import pool_table
+
+    calls = []
+
+    def flip_pad(q, w, before, after):  # channels reversed (score_prepared reverses them back), zero rows around
+        pad = torch.nn.functional.pad
+        return pad(q.flip(-1), (0, 0, 0, 0, before, after), value=0.0), pad(w.flip(-1), (0, 0, before, after), value=0.0)
+
+    class Fused(TorchBackend):
+        pads_prepared = True
+        pools_with_queries = True
+
+        def pool(self, problem, pool_tok_start):
+            raise AssertionError("pool called separately")
+
+        def prepare_queries(self, problem, q, w, before=0, after=0):
+            raise AssertionError("prepare_queries called separately")
+
+        def pool_and_prepare(self, problem, pool_tok_start, q, w, before=0, after=0):
+            calls.append((q.shape[0], before, after))
+            return (TorchBackend.pool(self, problem, pool_tok_start), *flip_pad(q, w, before, after))
+
+        def score_prepared(self, problem, pooled, q, w, lo, hi, starts, ends):
+            return self.score(problem, pooled, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
+
+    for _ws, probs, ref in _prepared_cases():
+        calls.clear()
+        out = torch.cat([Fused().run(p) for p in probs])
+        assert torch.equal(out[: ref.shape[0]], ref)
+        real = [p for p in probs if min(p.seq.shard_end, p.seq.num_real_tokens) > p.seq.shard_start]
+        assert len(calls) == len(real)
+        for p, (rows, before, after) in zip(real, calls):
+            lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
+            assert rows == hi - lo and (lo - before, hi + after) == grid_span(_geometry(Fused(), p)[2], lo, hi)
+
+    class Separate(Fused):
+        def prepare_queries(self, problem, q, w, before=0, after=0):
+            calls.append("prepare")
+            return flip_pad(q, w, before, after)
+
+        def pool_and_prepare(self, problem, pool_tok_start, q, w, before=0, after=0):
+            raise AssertionError("pool_and_prepare called with gathered pools")
+
+    _ws, probs, ref = list(_prepared_cases())[1]
+    calls.clear()
+    outs = []
+    for p in probs:
+        starts, _ = pool_table(p.seq.real_cu_seq_lens, p.kpool)
+        outs.append(Separate().run(p, pooled=TorchBackend().pool(p, starts)))
+    assert torch.equal(torch.cat(outs)[: ref.shape[0]], ref) and calls.count("prepare") == len(probs)
+
+
 def test_pads_prepared_without_before_after_is_refused():
     # a subclass that overrides prepare_queries without before= / after= but inherits
     # pads_prepared = True: a clear error, not a TypeError from deep in the driver
