@@ -12,6 +12,12 @@ after the first; also with the cache off, ``whole_table_cache_off``) with achiev
 (with and without its -inf cleaning of the cells outside the row ranges); torch.topk,
 LMDeploy's selector and the Triton exact selector on the same logits; the torch backend
 end to end (twice, the faster counts) for the speed-up. Writes ``bench_kernels.json``.
+
+The whole call is timed three ways: synchronized before every call ("cold": the device
+waits for the host's work before the first kernel), with the host ahead of the device (a
+sleep queued first, as in a model's forward pass) and by ``triton.testing.do_bench``
+(calls queued back to back after an L2 flush: the host runs ahead too). DeepGEMM alone is
+timed cold and by ``do_bench``; the JSON holds the ratios of each pair.
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ def staged(name, p, reps=5):
     whole = bench(lambda: be.run(p), reps=reps, warmup=1)
     med = {k: sorted(v)[len(v) // 2] for k, v in stages.items()}
     med["whole_host_ahead"], med["host_call_while_device_busy"] = bench_host_ahead(lambda: be.run(p), reps=reps)
+    med["whole_do_bench"] = bench_do_bench(lambda: be.run(p))
     # "whole" repeats the call, so the driver's table cache is warm (as for every layer of
     # a step after the first); the same call building its tables every time:
     old = os.environ.get("SP_KPOOL_TABLE_CACHE")
@@ -139,6 +146,15 @@ def bench_host_ahead(fn, reps=5):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2]
+
+
+def bench_do_bench(fn):
+    """Median milliseconds of ``fn()`` by ``triton.testing.do_bench`` (the measurement of the
+    field's kernel benchmarks): calls queued back to back, each after a flush of the L2
+    cache, so the host runs ahead of the device and the events time the device's work."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
 def deepgemm_chunked(p, fn, q8, wq, kv):
@@ -259,6 +275,17 @@ def main():
                 ms = bench(lambda: fn(q8, (k8, ks), wq, s, e, clean_logits=False), reps=10)
                 row["deepgemm_alone_noclean_ms"] = ms
                 row["whole_over_deepgemm_alone_noclean"] = row["whole_ms"] / ms
+                # the same ratios with the host ahead of the device (a sleep queued before
+                # the whole call; DeepGEMM alone has one host call, timed as above) and
+                # both sides by triton.testing.do_bench
+                ahead = row["stages_ms"]["whole_host_ahead"]
+                row["whole_host_ahead_over_deepgemm_alone"] = ahead / row["deepgemm_alone_ms"]
+                row["whole_host_ahead_over_deepgemm_alone_noclean"] = ahead / ms
+                for clean in (True, False):
+                    name = "deepgemm_alone_do_bench_ms" if clean else "deepgemm_alone_noclean_do_bench_ms"
+                    row[name] = bench_do_bench(lambda: fn(q8, (k8, ks), wq, s, e, clean_logits=clean))  # noqa: B023
+                    row[name.replace("deepgemm_alone", "whole_over_deepgemm_alone").replace("_ms", "")] = (
+                        row["stages_ms"]["whole_do_bench"] / row[name])  # fmt: skip
                 row["deepgemm_chunked_noclean_ms"] = deepgemm_chunked(p, fn, q8, wq, (k8, ks))
                 # the query preparation alone (all rows once): the register kernel and the generic one
                 row["queries_fp8_ms"] = bench(lambda: queries_fp8(p.q, p.head_weights), reps=10)
