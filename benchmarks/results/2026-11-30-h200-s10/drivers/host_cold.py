@@ -28,7 +28,9 @@ for mod, name in ((B, "stage_tables"), (B, "select_rows"), (B, "row_meta"), (B, 
         wrap(mod, name)
 DGB.mqa_api.cache_clear()
 for name in ("prepare_queries", "pool", "pool_and_prepare", "score_prepared"):
-    orig = getattr(type(be), name)
+    orig = getattr(type(be), name, None)
+    if orig is None:
+        continue
     def mk(orig, name):
         def g(self, *a, **k):
             stamps.append((time.perf_counter(), ">" + name)); r = orig(self, *a, **k); stamps.append((time.perf_counter(), "<" + name)); return r
