@@ -156,8 +156,8 @@ def section_serving_kernels(quick):
                   and bool((pw[:before] == zw).all()) and bool((pw[before + S :] == zw).all())
                   and int(z8.view(torch.uint8).max()) == 0 and int(zw.abs().max()) == 0)  # fmt: skip
             record("serving-kernels", f"fp8 queries S={S} H={H} D={D} generic={generic} zero rows {before}+{after}", ok)
-    # pools and queries in one launch (the deepgemm backend's driver path): the same bits as
-    # the two kernels, themselves equal to the torch implementation above
+    # pools and queries in one launch (the deepgemm backend's driver path; D 64 takes the
+    # two kernels): the same bits as the torch implementation, zero rows around the queries
     from sp_kpool.kernels.triton_serving import prepare_fp8
 
     for S, H, D, K, before, after in [(4099, 32, 128, 4, 3, 5), (1000, 64, 128, 16, 0, 0), (4096, 64, 128, 4, 1000, 777),
@@ -170,12 +170,16 @@ def section_serving_kernels(quick):
         w = torch.randn(S, H, generator=g, device="cuda").bfloat16()
         starts = pool_table(torch.tensor([0, S // 3, S]), K)[0].cuda()
         (k8, ks), (q8, wq) = prepare_fp8(q, w, k, gates, ape, starts, before=before, after=after)
-        r8, rs = pools_serving(k, gates, ape, starts, fp8=True)
-        p8, pw = queries_fp8(q, w, before=before, after=after)
+        r8, rs = serving.prepare_pools_fp8(k, gates, ape, starts)
+        z = torch.zeros(before + S + after, H, D, dtype=q.dtype, device="cuda")
+        zw = torch.zeros(before + S + after, H, dtype=w.dtype, device="cuda")
+        z[before : before + S], zw[before : before + S] = q, w
+        p8, pw = serving.prepare_queries_fp8(z, zw)
         ok = (torch.equal(k8.view(torch.uint8), r8.view(torch.uint8)) and torch.equal(ks, rs)
               and torch.equal(q8.view(torch.uint8), p8.view(torch.uint8)) and torch.equal(wq, pw))  # fmt: skip
-        record("serving-kernels", f"prepare_fp8 (one launch) S={S} H={H} D={D} K={K} zero rows {before}+{after}", ok,
-               pools=starts.numel(), differing_pool_values=int((k8.view(torch.uint8) != r8.view(torch.uint8)).sum()),
+        record("serving-kernels", f"prepare_fp8 S={S} H={H} D={D} K={K} zero rows {before}+{after}", ok,
+               one_launch=D == 128, pools=starts.numel(),
+               differing_pool_values=int((k8.view(torch.uint8) != r8.view(torch.uint8)).sum()),
                differing_query_values=int((q8.view(torch.uint8) != p8.view(torch.uint8)).sum()))  # fmt: skip
 
 

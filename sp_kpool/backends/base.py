@@ -99,7 +99,8 @@ class Problem:
     max_logits_bytes: int
     precision: str = "bf16"
     #: When a dict, the driver synchronizes the device around each stage and adds the
-    #: seconds spent to ``stage_times["pool" | "score" | "select" | "expand"]`` (benchmarks).
+    #: seconds spent to ``stage_times["pool" | "score" | "select" | "expand"]`` (benchmarks;
+    #: where the backend pools and prepares the queries in one step, ``"pool"`` holds both).
     stage_times: dict | None = None
 
     @property
@@ -423,17 +424,35 @@ def prepare_rows(backend: Backend, problem: Problem, q, w, C: int, lo_row: int, 
     return qp, wp, first
 
 
+@functools.lru_cache(maxsize=None)
+def _pools_with_queries(cls: type) -> bool:
+    """Whether the driver calls ``cls.pool_and_prepare`` instead of ``pool`` and
+    ``prepare_queries``: the class sets :attr:`Backend.pools_with_queries` and
+    :attr:`Backend.pads_prepared`, and its ``pool_and_prepare`` is defined where its ``pool``
+    and ``prepare_queries`` are or below (a subclass that overrides either of them without
+    ``pool_and_prepare`` inherits the flag: its overrides are used, step by step)."""
+    if not (cls.pools_with_queries and cls.pads_prepared):
+        return False
+
+    def owner(name):
+        return next(c for c in cls.__mro__ if name in c.__dict__)
+
+    fused = owner("pool_and_prepare")
+    return issubclass(fused, owner("pool")) and issubclass(fused, owner("prepare_queries"))
+
+
 def pool_and_prepare_rows(backend: Backend, problem: Problem, pool_tok_start: torch.Tensor, q, w, C: int, lo_row: int,
                           hi_row: int) -> tuple[Any, tuple[Any, Any, int]]:  # fmt: skip
     """``(pooled, (q', w', first))``: :meth:`Backend.pool_and_prepare` of the pools and of
     the rows ``[lo_row, hi_row)``, the prepared rows laid out as :func:`prepare_rows` lays
     them (zero rows out to the edges of their chunks of ``C`` rows). A backend without
     :attr:`Backend.pools_with_queries` and :attr:`Backend.pads_prepared`, no pools or no
-    rows: the separate steps (``pooled`` is ``None`` without pools: nothing is scored)."""
-    if not (backend.pools_with_queries and backend.pads_prepared) or not pool_tok_start.numel() or hi_row <= lo_row:
+    rows: the separate steps (``pooled`` is ``None`` without pools: nothing is scored). So
+    does a subclass that overrides ``pool`` or ``prepare_queries`` but not
+    ``pool_and_prepare``."""
+    if not _pools_with_queries(type(backend)) or not pool_tok_start.numel() or hi_row <= lo_row:
         pooled = backend.pool(problem, pool_tok_start) if pool_tok_start.numel() else None
         return pooled, prepare_rows(backend, problem, q, w, C, lo_row, hi_row)
-    _check_pads(type(backend))
     first, end = grid_span(C, lo_row, hi_row)
     pooled, qp, wp = backend.pool_and_prepare(problem, pool_tok_start, q, w, before=lo_row - first, after=end - hi_row)
     return pooled, (qp, wp, first)
@@ -561,10 +580,10 @@ def run_chunked(backend: Backend, problem: Problem, pooled: Any = None) -> torch
     # preparation first: it needs no host tables, and the host builds them (and copies them
     # over, once) while the device works. The output is allocated after the scoring calls
     # are queued (each host step before the first one delays it on a cold call)
-    fused = pooled is None and backend.pools_with_queries and backend.pads_prepared
+    fused = pooled is None and _pools_with_queries(type(backend))
     with stage(problem, "score"):
-        # the chunk rows from host arithmetic only (the tables come after the query kernel
-        # is queued)
+        # the chunk rows from host arithmetic only (without the one step, the tables come
+        # after the query kernel is queued)
         geometry = _geometry(backend, problem)
         if not fused:
             prepared = prepare_rows(backend, problem, q, w, geometry[2], own_lo, own_hi)

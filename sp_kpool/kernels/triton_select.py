@@ -581,8 +581,9 @@ def topk_ascending(
             the compiler's choice.
         phases: ``< 4`` stops after that phase, for timing the phases (wrong output).
         vsteps: steps of phase 2's split search that split the bracket in value rather than
-            in key (:func:`kth_largest`'s ``VSTEPS``; default ``_DEFAULT_VSTEPS``, 0: none).
-            The answer does not depend on it.
+            in key (:func:`kth_largest`'s ``VSTEPS``; default ``_DEFAULT_VSTEPS``, 0: none;
+            not used with ``ways=5`` or ``search="interp"``). The answer does not depend
+            on it.
         out: optional ``[R, k]`` int32 destination with unit column stride (e.g. rows of
             a larger output), every element overwritten; returned.
 

@@ -410,6 +410,22 @@ def test_driver_pools_and_prepares_in_one_step():
         outs.append(Separate().run(p, pooled=TorchBackend().pool(p, starts)))
     assert torch.equal(torch.cat(outs)[: ref.shape[0]], ref) and calls.count("prepare") == len(probs)
 
+    # a subclass that overrides pool and prepare_queries but not pool_and_prepare inherits
+    # the flag: its overrides are used, step by step (not the inherited one step)
+    class Overrides(Fused):
+        def pool(self, problem, pool_tok_start):
+            calls.append("pool")
+            return TorchBackend.pool(self, problem, pool_tok_start)
+
+        def prepare_queries(self, problem, q, w, before=0, after=0):
+            calls.append("prepare")
+            return flip_pad(q, w, before, after)
+
+    calls.clear()
+    out = torch.cat([Overrides().run(p) for p in probs])
+    assert torch.equal(out[: ref.shape[0]], ref)
+    assert calls.count("pool") == calls.count("prepare") == len(probs) and len(calls) == 2 * len(probs)
+
 
 def test_pads_prepared_without_before_after_is_refused():
     # a subclass that overrides prepare_queries without before= / after= but inherits
