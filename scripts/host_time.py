@@ -5,12 +5,13 @@
 A model's forward pass queues layer after layer ahead of the device; a call that makes the
 host wait for the device (a copy from pageable memory, a ``.item()``) leaves the device idle
 while the host queues the rest. This script queues a ~20 ms device sleep, then times on the
-host the steps of the driver (query preparation, pool table, staged tables, pooling; the
+host the steps of the driver (query preparation, pool table, staged tables, pooling: the
 backend's hooks called one by one, where the deepgemm driver makes the preparation and the
-pooling one launch, ``pool_and_prepare``) and a whole call on the reference workload (rank 3 of 4 x 32768 tokens, D 128, topk 2048). A step
-that takes about as long as the sleep waited for the device. ``stage_tables`` is timed
-building its tables (the driver's table cache is cleared first); the whole call that
-follows finds them cached, as every layer after the first does.
+pooling one launch, ``pool_and_prepare``) and a whole call on the reference workload (rank
+3 of 4 x 32768 tokens, D 128, topk 2048). A step that takes about as long as the sleep
+waited for the device. ``stage_tables`` is timed building its tables (the driver's table
+cache is cleared first); the whole call that follows finds them cached, as every layer
+after the first does.
 """
 
 from __future__ import annotations
