@@ -15,9 +15,12 @@ end to end (twice, the faster counts) for the speed-up. Writes ``bench_kernels.j
 
 The whole call is timed three ways: synchronized before every call ("cold": the device
 waits for the host's work before the first kernel), with the host ahead of the device (a
-sleep queued first, as in a model's forward pass) and by ``triton.testing.do_bench``
-(calls queued back to back after an L2 flush: the host runs ahead too). DeepGEMM alone is
-timed cold and by ``do_bench``; the JSON holds the ratios of each pair.
+sleep queued first, so the host's work overlaps it) and by ``triton.testing.do_bench``
+(calls queued back to back after an L2 flush: the host runs ahead too, as in a model's
+forward pass). The device idles during the sleep: on an H200 the host-ahead time of the
+H 32 call was 0.3-0.5 ms below the time of calls queued back to back
+(``benchmarks/results/2026-11-30-h200-s10``), so ``do_bench`` is the steady-state figure.
+DeepGEMM alone is timed cold and by ``do_bench``; the JSON holds the ratios of each pair.
 """
 
 from __future__ import annotations
