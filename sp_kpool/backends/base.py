@@ -408,6 +408,13 @@ def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: 
     return ranges
 
 
+def _pad_rows_of(C: int, lo_row: int, hi_row: int) -> tuple[int, int, int]:
+    """``(first, before, after)``: the first global row of the chunks of ``C`` rows holding
+    ``[lo_row, hi_row)`` and the zero rows in front of and behind those rows."""
+    first, end = grid_span(C, lo_row, hi_row)
+    return first, lo_row - first, end - hi_row
+
+
 def prepare_rows(backend: Backend, problem: Problem, q, w, C: int, lo_row: int, hi_row: int) -> tuple[Any, Any, int]:
     """``(q', w', first)``: ``backend.prepare_queries`` of the rows ``[lo_row, hi_row)``
     (``q [n, H, D]``, ``w [n, H]``), with zero rows out to the edges of their chunks of
@@ -419,8 +426,8 @@ def prepare_rows(backend: Backend, problem: Problem, q, w, C: int, lo_row: int, 
         qp, wp = backend.prepare_queries(problem, q, w)
         return qp, wp, lo_row
     _check_pads(type(backend))
-    first, end = grid_span(C, lo_row, hi_row)
-    qp, wp = backend.prepare_queries(problem, q, w, before=lo_row - first, after=end - hi_row)
+    first, before, after = _pad_rows_of(C, lo_row, hi_row)
+    qp, wp = backend.prepare_queries(problem, q, w, before=before, after=after)
     return qp, wp, first
 
 
@@ -453,8 +460,8 @@ def pool_and_prepare_rows(backend: Backend, problem: Problem, pool_tok_start: to
     if not _pools_with_queries(type(backend)) or not pool_tok_start.numel() or hi_row <= lo_row:
         pooled = backend.pool(problem, pool_tok_start) if pool_tok_start.numel() else None
         return pooled, prepare_rows(backend, problem, q, w, C, lo_row, hi_row)
-    first, end = grid_span(C, lo_row, hi_row)
-    pooled, qp, wp = backend.pool_and_prepare(problem, pool_tok_start, q, w, before=lo_row - first, after=end - hi_row)
+    first, before, after = _pad_rows_of(C, lo_row, hi_row)
+    pooled, qp, wp = backend.pool_and_prepare(problem, pool_tok_start, q, w, before=before, after=after)
     return pooled, (qp, wp, first)
 
 

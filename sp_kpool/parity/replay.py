@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..backends.base import pad_rows
+from ..backends.base import grid_span, pad_rows
 from ..capture import load_capture_set
 from ..pooling import pool_table
 from ..selection import row_meta
@@ -185,7 +185,7 @@ def _valid_scores(r: _ArmRun, seq, offs, P: int, repeat: bool, stats: dict):
     K, dev, real_cu = p.kpool, p.device, seq.real_cu_seq_lens
     own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
     C = b.chunk_rows(p, P)
-    for g0 in range((own_lo // C) * C, own_hi, C):
+    for g0 in range(*grid_span(C, own_lo, own_hi), C):
         g1 = min(g0 + C, seq.num_real_tokens)
         a, e = max(g0, own_lo), min(g1, own_hi)  # rows of this chunk owned here
         ends = row_meta(torch.tensor([g0, g1 - 1]), real_cu, offs, K)
