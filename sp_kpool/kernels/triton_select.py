@@ -199,13 +199,14 @@ def value_key(x):
 
 
 @triton.jit
-def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2, VSTEPS: tl.constexpr = 0):
+def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2, VSTEPS: tl.constexpr = 0, top=None):
     """Search for ``x >= lo`` with ``count(vals >= x) >= k``, stopping as soon as that
     count is ``<= stop`` (``stop = k``: the exact ``k``-th largest value, or a value with
-    exactly ``k`` values at or above it). Returns ``(x, count(vals >= x), count(vals > x))``;
-    the last is exact only where the first count is ``> stop`` (then ``x`` is the ``k``-th
-    largest value). The caller guarantees ``count(vals >= lo) >= k`` or accepts ``lo``;
-    ``vals`` (int32) are below ``INT32_MAX``, ``lo`` is an int32 scalar.
+    exactly ``k`` values at or above it). Returns ``(x, count(vals >= x), count(vals > x),
+    max(vals))``; the third is exact only where the second is ``> stop`` (then ``x`` is the
+    ``k``-th largest value). The caller guarantees ``count(vals >= lo) >= k`` or accepts
+    ``lo``; ``vals`` (int32) are below ``INT32_MAX``, ``lo`` is an int32 scalar. ``top``:
+    ``max(vals)`` if the caller knows it (one block reduction less; not with ``VSTEPS``).
 
     ``WAYS = 2``: bisection. ``WAYS = 3`` / ``5``: each step splits ``[lo, hi)`` at two /
     four points counted in one reduction: fewer block reductions (barriers), more
@@ -229,7 +230,8 @@ def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2, VSTEPS: tl.constexpr 
         lo = tl.where(cnt_lo >= k, low, lo)  # count(vals >= low) = count(vals >= lo)
     else:
         cnt_lo = tl.sum((vals >= lo).to(tl.int32))
-        top = tl.max(vals)
+        if top is None:
+            top = tl.max(vals)
     if WAYS == 5:
         lo = lo.to(tl.int64)
         hi = top.to(tl.int64) + 1
@@ -267,7 +269,7 @@ def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2, VSTEPS: tl.constexpr 
                 c1, c2 = count_ge2(vals, from_offset(m1), from_offset(m2))
                 lo, cnt_lo, hi, cnt_hi = narrow2(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2)
         lo = from_offset(lo)
-    return lo, cnt_lo, cnt_hi
+    return lo, cnt_lo, cnt_hi, top
 
 
 @triton.jit
@@ -395,20 +397,27 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
         srow = S + tl.cast(row, tl.int64) * stride_s
         orow = Out + tl.cast(row, tl.int64) * stride_o
         tl.debug_barrier()  # the previous row is done with the scratch
-        # 1. maxima of the groups of G columns (INT32_MIN: no visible cell)
-        for t0 in range(a0, e, TILE):
+        # 1. maxima of the groups of G columns (INT32_MIN: no visible cell). Tiles i of
+        # [a0 + i TILE, a0 + (i + 1) TILE): those inside [a, e) (i in [i0, i1), most of
+        # them) in a loop without masks or branches (on an H200 faster than one loop with
+        # a branch per tile, and fewer spills); the first tile if it starts before a, and
+        # the last if it ends past e, with masks
+        i0 = (a > a0).to(tl.int32)
+        i1 = tl.maximum((e - a0) // TILE, i0)
+        for t0 in range(a0 + i0 * TILE, a0 + i1 * TILE, TILE):
+            # maxima of floats, one key per group
             g0 = t0 + tb * G
-            if (t0 >= a) & (t0 + TILE <= e):
-                # a tile inside [a, e) (most of them): no masks, maxima of floats, one key
-                # per group
-                v = tl.load(srow + g0[:, None] + tg[None, :])
-                m = tl.max(tl.where(v > float("-inf"), v, float("-inf")), axis=1)  # NaN: invisible
-                gmax = row_keys(m, m == m)
-            else:
-                key, _c = load_keys(srow, g0, tg, g0 < e, a, e)
-                gmax = tl.max(key, axis=1)
+            v = tl.load(srow + g0[:, None] + tg[None, :])
+            m = tl.max(tl.where(v > float("-inf"), v, float("-inf")), axis=1)  # NaN: invisible
             gidx = (t0 - a0) // G + tb
-            tl.store(gbase + gidx, gmax, mask=gidx < NG)
+            tl.store(gbase + gidx, row_keys(m, m == m), mask=gidx < NG)
+        for i in range(0, i0 + 1):  # the first tile (i = 0, if it starts before a), the last (i = i1)
+            t0 = a0 + tl.where(i < i0, 0, i1) * TILE
+            if t0 < e:
+                g0 = t0 + tb * G
+                key, _c = load_keys(srow, g0, tg, g0 < e, a, e)
+                gidx = (t0 - a0) // G + tb
+                tl.store(gbase + gidx, tl.max(key, axis=1), mask=gidx < NG)
         nsel = tl.full((), 0, tl.int32)
         if (e > a) & (PHASES >= 2):
             tl.debug_barrier()
@@ -423,14 +432,19 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
             if INTERP:
                 low, n_low, _n = kth_interp(gm, k, MINK + 1, CAPG)
                 low = tl.where(n_low >= k, low, MINK + 1)
+                top = low  # not used
             else:
-                # from MINK + 1: fewer than k visible groups return it (every visible cell)
-                low = kth_largest(gm, k, tl.full((), MINK + 1, tl.int32), CAPG, WAYS, VSTEPS)[0]
+                # from MINK + 1: fewer than k visible groups return it (every visible cell);
+                # n_low = count(gm >= low), top: the row's largest key (phase 4's too)
+                low, n_low, _n, top = kth_largest(gm, k, tl.full((), MINK + 1, tl.int32), CAPG, WAYS, VSTEPS)
             if PHASES >= 3:
                 # 3. those groups' ids, in column order
                 f = (gm >= low).to(tl.int32)
                 tl.store(cbase + positions(f) - 1, gi, mask=f == 1)
-                nc = tl.sum(f)
+                if INTERP:
+                    nc = tl.sum(f)
+                else:
+                    nc = n_low
                 if PHASES >= 4:
                     tl.debug_barrier()
                     if nc <= CAPG:
@@ -440,7 +454,8 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                         if INTERP:
                             t, n_ge, n_gt = kth_interp(key, k, low, k)
                         else:
-                            t, n_ge, n_gt = kth_largest(key, k, low, k, WAYS)
+                            # the candidates hold the row's largest key: phase 2's top
+                            t, n_ge, n_gt, _t = kth_largest(key, k, low, k, WAYS, 0, top)
                         sel = key >= t
                         if n_ge > k:  # ties at T
                             eq = (key == t).to(tl.int32)
@@ -521,17 +536,19 @@ last_launch: dict = {}
 _occupancy: dict = {}
 
 
-def _resident(kernel, num_warps: int) -> int:
-    """Programs of ``kernel`` one SM holds at once (registers and warps; shared memory is
-    small here)."""
+def _resident(kernel, num_warps: int, smem_per_sm: int = 233472) -> int:
+    """Programs of ``kernel`` one SM holds at once, by registers, warps and shared memory
+    (``smem_per_sm`` bytes; each program also reserves 1 KiB)."""
     try:
         kernel._init_handles()
         regs = max(int(kernel.n_regs), 1)
+        smem = int(getattr(kernel.metadata, "shared", 0) or 0)
     except Exception:  # noqa: BLE001 - the interpreter or an older Triton: no register count
         return 1
     threads = 32 * num_warps
     by_regs = 65536 // (-(-regs // 8) * 8 * threads)  # registers are allocated per warp in 256s
-    return max(1, min(by_regs, 2048 // threads, 32))
+    by_smem = smem_per_sm // (smem + 1024)
+    return max(1, min(by_regs, by_smem, 2048 // threads, 32))
 
 
 def topk_ascending(
@@ -676,9 +693,12 @@ def _launch(scores, starts, ends, base, out, consts, programs):
         key = (dev.index, tuple(sorted(consts.items())))
         if key not in _occupancy:  # compile once per configuration (warmup costs host time)
             compiled = select_kernel.warmup(*args, out, out, R, k, 1, grid=(1,), **consts)
-            per_sm = _resident(compiled, consts["num_warps"])  # loads the binary: register counts known after
+            props = torch.cuda.get_device_properties(dev)
+            # loads the binary: register counts known after
+            per_sm = _resident(compiled, consts["num_warps"], getattr(props, "shared_memory_per_multiprocessor", 233472))
             _occupancy[key] = dict(regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
-                                   per_sm=per_sm, sms=torch.cuda.get_device_properties(dev).multi_processor_count)  # fmt: skip
+                                   shared=getattr(compiled.metadata, "shared", None), per_sm=per_sm,
+                                   sms=props.multi_processor_count)  # fmt: skip
         occ = _occupancy[key]
         last_launch.update(occ)
         if programs is None:

@@ -271,6 +271,24 @@ def test_value_split_steps_of_phase_two(vsteps, ways):
         run(s, starts, ends, k, vsteps=vsteps, ways=ways)
 
 
+@pytest.mark.parametrize("warps", [4, 8])
+def test_phase_one_tile_geometry(warps):
+    # phase 1 takes the tiles inside [start, end) in a loop without masks or branches, the
+    # first tile (starting before start) and the last (ending past end) with masks: rows
+    # starting on and off a group boundary, ending on, before and after a tile boundary,
+    # inside the first tile, empty, and with the row maximum in the first and last tiles
+    g = torch.Generator().manual_seed(5)
+    n = 2100  # tiles of 256 columns: 8 whole tiles and a part
+    s = torch.randn(12, n, generator=g)
+    s[0, 3] = 50.0
+    s[1, n - 1] = 50.0
+    s[1, :3] = s[7, 8] = s[4, 2047:2056] = s[8, 690:700] = 100.0  # just outside: must not count
+    starts = torch.tensor([0, 3, 8, 255, 256, 250, 0, 9, 700, 700, 1, 2047])
+    ends = torch.tensor([n, n, 2048, 2049, 2047, 260, 256, 9, 690, 1000, 255, 2048])
+    for k in (1, 40, 300):
+        run(s, starts, ends, k, tile=256, num_warps=warps)
+
+
 def test_odd_width_last_row_and_strided_rows():
     # whole groups are read: the last row of a contiguous odd-width tensor runs from a
     # padded copy; rows of a wider tensor (a view) read into their own padding columns
