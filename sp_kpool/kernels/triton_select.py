@@ -69,6 +69,11 @@ _MAX_GROUPS = 8192
 #: Default of ``topk_ascending(vsteps=)``: phase 2's first steps split in value.
 _DEFAULT_VSTEPS = 3
 
+#: Defaults of ``topk_ascending(split2=, split4=)``: where the first step of phase 2's /
+#: phase 4's search splits the values (``()``: evenly / in key).
+_DEFAULT_SPLIT2 = (0.45, 0.6)
+_DEFAULT_SPLIT4 = (0.006, 0.022)
+
 
 #: Largest block of candidate cells (candidate groups x columns per group): the largest run
 #: on an H200 (k 2048, groups of 16, 70000 columns). Larger blocks spill registers (Triton caps any block at
@@ -199,31 +204,35 @@ def value_key(x):
 
 
 @triton.jit
-def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2, VSTEPS: tl.constexpr = 0, top=None):
+def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2, VSTEPS: tl.constexpr = 0, top=None,
+                FA: tl.constexpr = 0.0, FB: tl.constexpr = 0.0, START_MIN: tl.constexpr = True):
     """Search for ``x >= lo`` with ``count(vals >= x) >= k``, stopping as soon as that
     count is ``<= stop`` (``stop = k``: the exact ``k``-th largest value, or a value with
     exactly ``k`` values at or above it). Returns ``(x, count(vals >= x), count(vals > x),
     max(vals))``; the third is exact only where the second is ``> stop`` (then ``x`` is the
     ``k``-th largest value). The caller guarantees ``count(vals >= lo) >= k`` or accepts
     ``lo``; ``vals`` (int32) are below ``INT32_MAX``, ``lo`` is an int32 scalar. ``top``:
-    ``max(vals)`` if the caller knows it (one block reduction less; not with ``VSTEPS``).
+    ``max(vals)`` if the caller knows it (one block reduction less; not used where the
+    bracket starts at the smallest value, ``VSTEPS > 0`` with ``START_MIN``).
 
     ``WAYS = 2``: bisection. ``WAYS = 3`` / ``5``: each step splits ``[lo, hi)`` at two /
     four points counted in one reduction: fewer block reductions (barriers), more
     arithmetic.
 
-    ``VSTEPS > 0`` (``WAYS`` 2 or 3): the bracket starts at the smallest value ``>= lo``
-    instead of ``lo`` (the same count; one reduction gives it with the largest value and
-    the count), and its first ``VSTEPS`` steps split ``[lo, hi)`` evenly in FP32 value
-    rather than in key (a key range spans many binades, values are spread more evenly over
-    their range): about 8 instead of 12 steps to the 512th of 4096 group maxima of random
-    and ReLU-sum scores (a simulation). Any split point keeps the search correct (a point
-    outside the bracket narrows nothing); they are clamped into ``(lo, hi)`` so that every
-    step narrows it, whatever the values (infinities, denormals). The result meets the
-    same conditions (any ``x`` with ``count >= k`` and ``count <= stop``
-    where the values allow) but, with ``stop > k``, may be another such ``x``."""
+    ``VSTEPS > 0`` (``WAYS`` 2 or 3): the first ``VSTEPS`` steps split ``[lo, hi)`` in
+    FP32 value rather than in key (a key range spans many binades, values are spread more
+    evenly over their range), evenly, or the first step at the fractions ``FA`` and ``FB``
+    of the value range where ``FB > 0`` (``WAYS = 2``: ``FA``): about 8 instead of 12
+    steps to the 512th of 4096 group maxima of random and ReLU-sum scores (a simulation).
+    With ``START_MIN`` the bracket also starts at the smallest value ``>= lo`` instead of
+    ``lo`` (the same count; one reduction gives it with the largest value and the count).
+    Any split point keeps the search correct (a point outside the bracket narrows
+    nothing); they are clamped into ``(lo, hi)`` so that every step narrows it, whatever
+    the values (infinities, denormals). The result meets the same conditions (any ``x``
+    with ``count >= k`` and ``count <= stop`` where the values allow) but, with ``stop >
+    k``, may be another such ``x``."""
     cnt_hi = tl.full((), 0, tl.int32)
-    if VSTEPS > 0:
+    if (VSTEPS > 0) & START_MIN:
         v = tl.reshape(vals, (vals.numel,), can_reorder=True)  # one reduction over all values
         ok = v >= lo
         top, low, cnt_lo = tl.reduce((v, tl.where(ok, v, 2147483647), ok.to(tl.int32)), 0, _max_min_sum)
@@ -257,8 +266,13 @@ def kth_largest(vals, k, lo, stop, WAYS: tl.constexpr = 2, VSTEPS: tl.constexpr 
                 if step < VSTEPS:  # split the values' range instead of the keys'
                     f_lo = key_value(from_offset(lo))
                     span = key_value(from_offset(hi - 1)) - f_lo
-                    u1 = to_offset(value_key(f_lo + span * (1.0 / WAYS)))
-                    u2 = to_offset(value_key(f_lo + span * ((WAYS - 1.0) / WAYS)))
+                    fa = 1.0 / WAYS
+                    fb = (WAYS - 1.0) / WAYS
+                    if FB > 0:  # the first step at FA and FB
+                        fa = tl.where(step == 0, FA, fa)
+                        fb = tl.where(step == 0, FB, fb)
+                    u1 = to_offset(value_key(f_lo + span * fa))
+                    u2 = to_offset(value_key(f_lo + span * fb))
                     m1 = tl.minimum(tl.maximum(u1, lo + 1), hi - 1)
                     m2 = tl.minimum(tl.maximum(u2, m1), hi - 1)
                 step += 1
@@ -371,7 +385,8 @@ def positions(f):
 def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gmax, Cand, R, k, nprog,
                   TILE: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, CAPG: tl.constexpr, KP: tl.constexpr,
                   PHASES: tl.constexpr, WAYS: tl.constexpr, SB: tl.constexpr, GL: tl.constexpr, CW: tl.constexpr,
-                  INTERP: tl.constexpr, VSTEPS: tl.constexpr = 0):
+                  INTERP: tl.constexpr, VSTEPS: tl.constexpr = 0, F2A: tl.constexpr = 0.0,
+                  F2B: tl.constexpr = 0.0, F4A: tl.constexpr = 0.0, F4B: tl.constexpr = 0.0):
     # PHASES < 4 stops after that phase (timing of the phases only; the output is wrong)
     MINK: tl.constexpr = -2147483648
     NB: tl.constexpr = TILE // G
@@ -436,7 +451,8 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
             else:
                 # from MINK + 1: fewer than k visible groups return it (every visible cell);
                 # n_low = count(gm >= low), top: the row's largest key (phase 4's too)
-                low, n_low, _n, top = kth_largest(gm, k, tl.full((), MINK + 1, tl.int32), CAPG, WAYS, VSTEPS)
+                low, n_low, _n, top = kth_largest(gm, k, tl.full((), MINK + 1, tl.int32), CAPG, WAYS, VSTEPS, None,
+                                                  F2A, F2B)  # fmt: skip
             if PHASES >= 3:
                 # 3. those groups' ids, in column order
                 f = (gm >= low).to(tl.int32)
@@ -455,7 +471,9 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
                             t, n_ge, n_gt = kth_interp(key, k, low, k)
                         else:
                             # the candidates hold the row's largest key: phase 2's top
-                            t, n_ge, n_gt, _t = kth_largest(key, k, low, k, WAYS, 0, top)
+                            # (F4B > 0: its first step splits the values at F4A and F4B)
+                            t, n_ge, n_gt, _t = kth_largest(key, k, low, k, WAYS, (F4B > 0) * 1, top, F4A, F4B,
+                                                            False)  # fmt: skip
                         sel = key >= t
                         if n_ge > k:  # ties at T
                             eq = (key == t).to(tl.int32)
@@ -568,6 +586,8 @@ def topk_ascending(
     search: str = "split",
     min_group: int = 8,
     vsteps: int | None = None,
+    split2: tuple[float, float] | None = None,
+    split4: tuple[float, float] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exact Top-K of each row, in ascending column order.
@@ -603,6 +623,11 @@ def topk_ascending(
             in key (:func:`kth_largest`'s ``VSTEPS``; default ``_DEFAULT_VSTEPS``, 0: none;
             not used with ``ways=5`` or ``search="interp"``). The answer does not depend
             on it.
+        split2, split4: ``(a, b)`` with ``0 < a < b < 1``, or ``()``: the first step of
+            phase 2's / phase 4's search splits the bracket's FP32 value range at these
+            fractions (``ways=2``: at ``a``) instead of evenly (phase 2, with ``vsteps``) or
+            in key (phase 4); defaults ``_DEFAULT_SPLIT2`` and ``_DEFAULT_SPLIT4``. The
+            answer does not depend on them.
         out: optional ``[R, k]`` int32 destination with unit column stride (e.g. rows of
             a larger output), every element overwritten; returned.
 
@@ -624,6 +649,8 @@ def topk_ascending(
     vsteps = _DEFAULT_VSTEPS if vsteps is None else vsteps
     if isinstance(vsteps, bool) or not isinstance(vsteps, int) or vsteps < 0:
         raise ValueError(f"vsteps: expected an int >= 0, got {vsteps!r}")
+    split2 = _check_split("split2", _DEFAULT_SPLIT2 if split2 is None else split2)
+    split4 = _check_split("split4", _DEFAULT_SPLIT4 if split4 is None else split4)
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     R, W = scores.shape
@@ -657,6 +684,10 @@ def topk_ascending(
                   GL=max(group, 8), CW=max(ng, capg), INTERP=search == "interp", num_warps=warps)  # fmt: skip
     if vsteps and ways in (2, 3) and search == "split":
         consts["VSTEPS"] = vsteps
+        if split2:
+            consts["F2A"], consts["F2B"] = split2
+    if split4 and ways in (2, 3) and search == "split":
+        consts["F4A"], consts["F4B"] = split4
     maxnreg = _DEFAULT_MAXNREG if maxnreg is None and warps <= 8 else maxnreg
     if maxnreg:
         consts["maxnreg"] = maxnreg
@@ -670,6 +701,19 @@ def topk_ascending(
         rest = torch.nn.functional.pad(scores[cut:], (0, -W % group), value=-float("inf"))
         _launch(rest, starts[cut:], ends[cut:], base[cut:], out[cut:], consts, programs)
     return out
+
+
+def _check_split(name: str, split) -> tuple:
+    """``split`` as a tuple of two floats ``0 < a < b < 1``, or ``()`` (not used)."""
+    if split is None or split == () or split is False:
+        return ()
+    try:
+        a, b = (float(x) for x in split)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected two fractions (a, b) with 0 < a < b < 1, or (), got {split!r}") from None
+    if not 0 < a < b < 1:
+        raise ValueError(f"{name}: expected two fractions (a, b) with 0 < a < b < 1, or (), got {split!r}")
+    return a, b
 
 
 def _rows_in_storage(scores: torch.Tensor, span: int) -> int:
@@ -705,6 +749,8 @@ def _launch(scores, starts, ends, base, out, consts, programs):
             programs = occ["sms"] * occ["per_sm"]
     progs = max(1, min(R, programs or 4))
     last_launch.update(programs=progs, VSTEPS=consts.get("VSTEPS", 0),
+                       split2=(consts.get("F2A"), consts.get("F2B")) if "F2B" in consts else (),
+                       split4=(consts.get("F4A"), consts.get("F4B")) if "F4B" in consts else (),
                        **{n: consts[n] for n in ("TILE", "G", "NG", "CAPG", "SB", "WAYS", "INTERP", "num_warps")})  # fmt: skip
     gmax = torch.empty((progs, consts["NG"]), dtype=torch.int32, device=dev)
     cand = torch.empty((progs, consts["CW"]), dtype=torch.int32, device=dev)

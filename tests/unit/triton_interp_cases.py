@@ -92,6 +92,11 @@ def test_bad_arguments():
         ts.topk_ascending(s, base, base + 8, base, 2, min_group=2)
     with pytest.raises(ValueError, match="vsteps: expected an int >= 0, got -1"):
         ts.topk_ascending(s, base, base + 8, base, 2, vsteps=-1)
+    for bad in ((0.5, 0.5), (0.0, 0.5), (0.2, 1.0), (0.1,), "ab"):
+        with pytest.raises(ValueError, match=r"split4: expected two fractions \(a, b\) with 0 < a < b < 1"):
+            ts.topk_ascending(s, base, base + 8, base, 2, split4=bad)
+    with pytest.raises(ValueError, match="split2: expected two fractions"):
+        ts.topk_ascending(s, base, base + 8, base, 2, split2=(0.7, 0.6))
     wide = torch.zeros(1, 140000)
     one = torch.zeros(1, dtype=torch.int64)
     assert ts.supports(70000, 2048) and not ts.supports(140000, 2048)
@@ -269,6 +274,28 @@ def test_value_split_steps_of_phase_two(vsteps, ways):
     starts, ends = torch.tensor([0, 1, 17, 0, 3, 0]), torch.tensor([n, n - 3, 2000, n, n, n])
     for k in (1, 100, 130):
         run(s, starts, ends, k, vsteps=vsteps, ways=ways)
+
+
+@pytest.mark.parametrize("split2,split4,ways", [((), (), 3), ((0.45, 0.6), (0.006, 0.022), 3),
+                                               ((0.01, 0.99), (0.49, 0.5), 3), ((0.3, 0.9), (0.001, 0.002), 2)])
+def test_first_split_fractions(split2, split4, ways):
+    # the first step of phase 2's / phase 4's search splits the values at fixed fractions
+    # of the bracket: the same exact answer on rows whose values span binades, with
+    # infinities, denormals, exact ties and fewer visible groups than k
+    g = torch.Generator().manual_seed(23)
+    n = 3000
+    s = torch.randn(6, n, generator=g).relu() * 3
+    s[1] = torch.exp(torch.randn(n, generator=g) * 8)
+    s[2, ::89] = float("inf")
+    s[2, 1::7] = -3e38
+    s[3] = torch.randn(n, generator=g) * 1e-40
+    s[4] = torch.randint(-2, 3, (n,), generator=g).float()
+    s[4, ::5] = -0.0
+    s[5] = -float("inf")
+    s[5, 0:600:8] = torch.randn(75, generator=g)
+    starts, ends = torch.tensor([0, 1, 17, 0, 3, 0]), torch.tensor([n, n - 3, 2000, n, n, n])
+    for k in (1, 100, 130):
+        run(s, starts, ends, k, split2=split2, split4=split4, ways=ways)
 
 
 @pytest.mark.parametrize("warps", [4, 8])
