@@ -13,18 +13,22 @@ scratch area in global memory, which stays in L2):
    of groups of ``G`` aligned adjacent columns (``G`` = 8 up to 65536 columns, then 16, 32,
    ...; ``min_group=4``: 4 up to 32768). Whole groups are read with vector loads (the
    launcher runs rows whose last group would end past the tensor's storage from a padded
-   copy); tiles inside ``[start, end)`` take a path without masks that converts only the
-   group maxima to keys. Nothing is counted here.
+   copy); the tiles inside ``[start, end)`` run in a loop of their own without masks or
+   branches that converts only the group maxima to keys (the first and the last tile,
+   masked, after it). Nothing is counted here.
 2. ``L``: a value with at least ``k`` and at most ``capg`` (default: the power of two
    ``>= k``) group maxima ``>= L``, by a search over the maxima in registers that stops
    early (its bracket starts at the smallest visible maximum, and its first steps split
-   the bracket's FP32 value range rather than its keys: ``vsteps``). At least ``k`` keys
+   the bracket's FP32 value range rather than its keys: ``vsteps``, the first at the
+   fractions ``split2``). At least ``k`` keys
    are ``>= L``, so the ``k``-th best key ``T`` is ``>= L``, and every cell of the answer
    lies in a group with maximum ``>= L``. With fewer than
    ``k`` visible groups, ``L`` admits every visible cell (there may be ``k`` or fewer:
    step 3 then selects them all). Those groups' ids are compacted in column order.
-3. Their cells (read again) hold the answer: ``T`` by the same search, stopped as soon as
-   exactly ``k`` keys are at or above it; then the keys above ``T`` and the first keys
+3. Their cells (read again) hold the answer: ``T`` by the same search (from ``L`` to the
+   row maximum, known from step 2; its first step splits the values at the fractions
+   ``split4``: on DeepGEMM logits ``T`` sits in the bottom 2% of that range), stopped as
+   soon as exactly ``k`` keys are at or above it; then the keys above ``T`` and the first keys
    equal to ``T`` in column order, written in column order. Up to ``capg`` groups the
    cells sit in registers; more groups (long runs of exactly equal scores) are streamed
    in blocks of at least 256 groups for every step of the search and for the output.
