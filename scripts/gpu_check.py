@@ -350,8 +350,26 @@ def section_selectors(quick):
         en_odd = en.clamp(max=8191)
         got = topk_ascending(odd, st, en_odd, torch.full((R,), 5, dtype=torch.int64, device="cuda"), 512)
         record("selectors", f"triton topk_ascending == exact, 8191 columns, levels={levels}", torch.equal(got, ref))
-    # rows wider than 65536 columns: groups of 16 columns
+    # NaN cells are never selected: scattered, whole groups of 8 and rows of NaN only (the
+    # tiles inside a row take the group maxima of floats, which skip NaN)
     from sp_kpool.kernels.triton_select import topk_ascending
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    R, N = 512, 8192
+    scores = torch.randn(R, N, generator=g, device="cuda")
+    scores[0::4, ::7] = float("nan")
+    scores[1::4, 64:4096] = float("nan")
+    scores[2::4] = float("nan")
+    scores[2::4, ::997] = 1.0
+    scores[3::4, 8:16] = -float("nan")
+    st = torch.randint(0, 100, (R,), generator=g, device="cuda")
+    en = torch.full((R,), N, device="cuda")
+    vis = (torch.arange(N, device="cuda") >= st[:, None]) & (torch.arange(N, device="cuda") < en[:, None])
+    for k in (1, 512):
+        ref = _ascending(topk_pools(scores, vis, k, 0)[0]).int()
+        got = topk_ascending(scores, st, en, torch.zeros(R, dtype=torch.int64, device="cuda"), k)[:, : ref.shape[1]]
+        record("selectors", f"triton topk_ascending == exact with NaN cells, k={k}", torch.equal(got, ref))
+    # rows wider than 65536 columns: groups of 16 columns
 
     for levels in (3, 10**7):
         g = torch.Generator(device="cuda").manual_seed(levels)

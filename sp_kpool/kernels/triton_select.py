@@ -399,11 +399,15 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
     cbase = Cand + pid.to(tl.int64) * CW  # CW >= max(NG, CAPG): unmasked candidate-id loads stay in the row
     for row in range(pid, R, nprog):
         a = tl.load(starts_ptr + row)
-        # z is 0 (starts are >= 0) but unknown to the compiler: index tensors built from it
-        # are computed per row instead of being hoisted out of the loop, where they would
-        # hold ~100 registers per thread for the whole kernel (fewer programs per SM)
-        z = tl.where(a < 0, a, 0) * 16
+        # z1 and z are 0 (starts are >= 0) but unknown to the compiler: index tensors built
+        # from z are computed per row instead of being hoisted out of the loop, where they
+        # would hold ~100 registers per thread for the whole kernel (fewer programs per SM);
+        # z1 hides the alignment of phase 1's stores
+        z1 = tl.where(a < 0, a, 0)
+        z = z1 * 16
         tb = tl.arange(0, NB) + z
+        q4 = tl.arange(0, G // 4) + z
+        t4 = tl.arange(0, 4) + z
         tg = tl.arange(0, G) + z
         gb = tl.arange(0, NG // GL) + z
         gl = tl.arange(0, GL) + z
@@ -425,11 +429,17 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
         i1 = tl.maximum((e - a0) // TILE, i0)
         for t0 in range(a0 + i0 * TILE, a0 + i1 * TILE, TILE):
             # maxima of floats, one key per group
+            # as [NB, G / 4, 4]: each thread holds whole groups (two 16-byte loads per group
+            # of 8), so the maxima need no shuffles, and stored at an offset whose alignment
+            # the compiler cannot see (z1), they need no layout conversion either (as [NB,
+            # G], a conversion through shared memory with two barriers per tile)
             g0 = t0 + tb * G
-            v = tl.load(srow + g0[:, None] + tg[None, :])
-            m = tl.max(tl.where(v > float("-inf"), v, float("-inf")), axis=1)  # NaN: invisible
-            gidx = (t0 - a0) // G + tb
-            tl.store(gbase + gidx, row_keys(m, m == m), mask=gidx < NG)
+            v = tl.load(srow + g0[:, None, None] + (q4[None, :, None] * 4 + t4[None, None, :]))
+            # tl.max combines with maxnum (propagate_nan NONE): a NaN cell is skipped, a
+            # group of NaN only gives NaN, which row_keys makes invisible
+            m = tl.max(tl.max(v, axis=2), axis=1)
+            gidx = (t0 - a0) // G + tb  # < NG: the tile lies inside the row
+            tl.store(gbase + gidx + z1, row_keys(m, m == m))
         for i in range(0, i0 + 1):  # the first tile (i = 0, if it starts before a), the last (i = i1)
             t0 = a0 + tl.where(i < i0, 0, i1) * TILE
             if t0 < e:
