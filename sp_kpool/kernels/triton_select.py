@@ -609,7 +609,8 @@ def topk_ascending(
     Args:
         scores: ``[R, W]`` float32 (unit column stride); cells outside ``[starts[r],
             ends[r])`` are ignored, ``-inf`` cells are invisible.
-        starts, ends: ``[R]`` integer, the columns of each row to consider.
+        starts, ends: ``[R]`` integer, the columns ``[start, end)`` of each row to consider
+            (clipped to ``[0, W)``).
         base: ``[R]`` int64, global pool id of column 0 of each row.
         k: pools to select (``1 <= k <= MAX_K``).
         tile, num_warps, programs: launch configuration (columns per step, warps per
@@ -706,7 +707,9 @@ def topk_ascending(
     if maxnreg:
         consts["maxnreg"] = maxnreg
     starts = starts.to(device=dev, dtype=torch.int32).clamp(min=0).contiguous()
-    ends = ends.to(device=dev, dtype=torch.int32).contiguous()
+    # columns past the row's width do not exist (phase 1 reads and stores whole tiles up to
+    # the end without masks)
+    ends = ends.to(device=dev, dtype=torch.int32).clamp(max=W).contiguous()
     base = base.to(device=dev, dtype=torch.int64).contiguous()
     cut = _rows_in_storage(scores, -(-W // group) * group)
     if cut > 0:

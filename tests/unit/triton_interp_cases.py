@@ -314,6 +314,14 @@ def test_phase_one_tile_geometry(warps):
     ends = torch.tensor([n, n, 2048, 2049, 2047, 260, 256, 9, 690, 1000, 255, 2048])
     for k in (1, 40, 300):
         run(s, starts, ends, k, tile=256, num_warps=warps)
+    # ends past the width: the columns that exist (a view of a wider tensor, whose storage
+    # holds more columns that must not be read)
+    wide = torch.randn(3, n + 700, generator=g)
+    wide[:, n:] = 1000.0
+    base = torch.zeros(3, dtype=torch.int64)
+    got = ts.topk_ascending(wide[:, :n], torch.tensor([0, 5, 2000]), torch.tensor([n + 600, n + 1, n + 300]), base, 40,
+                            tile=256, num_warps=warps)  # fmt: skip
+    assert torch.equal(got, exact_ascending(wide[:, :n], torch.tensor([0, 5, 2000]), torch.full((3,), n), base, 40))
 
 
 def test_odd_width_last_row_and_strided_rows():
