@@ -706,9 +706,9 @@ def topk_ascending(
     maxnreg = _DEFAULT_MAXNREG if maxnreg is None and warps <= 8 else maxnreg
     if maxnreg:
         consts["maxnreg"] = maxnreg
-    starts = starts.to(device=dev, dtype=torch.int32).clamp(min=0).contiguous()
-    # columns past the row's width do not exist (phase 1 reads and stores whole tiles up to
-    # the end without masks)
+    # columns outside [0, W) do not exist: phase 1 reads and stores whole tiles up to the end
+    # without masks, and its tile arithmetic (a start's tile + tiles) stays within int32
+    starts = starts.to(device=dev, dtype=torch.int32).clamp(min=0, max=W).contiguous()
     ends = ends.to(device=dev, dtype=torch.int32).clamp(max=W).contiguous()
     base = base.to(device=dev, dtype=torch.int64).contiguous()
     cut = _rows_in_storage(scores, -(-W // group) * group)

@@ -111,6 +111,11 @@ def test_nan_is_never_selected():
     s[1, :] = float("nan")
     s[2, 3] = -float("nan")
     run(s, torch.tensor([0, 0, 0]), torch.tensor([500, 500, 500]), 64, tile=128)
+    # many groups, small k: a group whose maximum counted a NaN as large would change L
+    s = torch.randn(3, 3000, generator=g)
+    s[:, ::7] = float("nan")
+    s[1, 8:3000:16] = -float("nan")
+    run(s, torch.tensor([0, 3, 100]), torch.tensor([3000, 2999, 2000]), 16, tile=256)
 
 
 def visible_pools(cu, rows, kpool, k, seed):
@@ -322,6 +327,10 @@ def test_phase_one_tile_geometry(warps):
     got = ts.topk_ascending(wide[:, :n], torch.tensor([0, 5, 2000]), torch.tensor([n + 600, n + 1, n + 300]), base, 40,
                             tile=256, num_warps=warps)  # fmt: skip
     assert torch.equal(got, exact_ascending(wide[:, :n], torch.tensor([0, 5, 2000]), torch.full((3,), n), base, 40))
+    # a start near INT32_MAX (past the width: an empty row; its tile arithmetic must not wrap)
+    got = ts.topk_ascending(s[:2], torch.tensor([2**31 - 1, 0]), torch.tensor([300, 300]), base[:2], 4, tile=256,
+                            num_warps=warps)  # fmt: skip
+    assert torch.equal(got, exact_ascending(s[:2], torch.tensor([n, 0]), torch.tensor([300, 300]), base[:2], 4))
 
 
 def test_odd_width_last_row_and_strided_rows():
