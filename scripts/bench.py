@@ -25,8 +25,10 @@ Writes, under ``--out`` (default ``benchmarks/results``), ``bench_<tag>_<time>.j
 every configuration, so a crash keeps what finished), ``.md`` (a table) and ``.png`` (time
 per stage vs sequence length, one panel per backend/precision and option combination),
 with the command, date, machine and versions. The reporting (summary per configuration,
-table, plot, the fit of the balance work model) lives in ``scripts/bench_report.py``,
-which also re-draws or merges finished runs.
+table, plot, the fit of the balance work model) lives in :mod:`sp_kpool.testing.bench`;
+``scripts/bench_report.py`` re-draws or merges finished runs.
+
+Runs with the package installed (``pip install -e .`` from the repository root).
 """
 
 from __future__ import annotations
@@ -43,11 +45,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-from bench_report import add_ratios, fit_row_cost, one_line, summarize, write_outputs  # noqa: E402
+from sp_kpool.testing.bench import add_ratios, fit_row_cost, gather_into_tensor, one_line, summarize, write_outputs
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -160,14 +160,12 @@ def measure_ceilings(device: torch.device, world_size: int) -> dict:
     if world_size > 1:
         import torch.distributed as dist
 
-        from sp_kpool.comm import _gather_into_tensor
-
         chunk = (64 << 20) if cuda else (16 << 20)
         src = torch.empty(chunk, dtype=torch.uint8, device=device)
         dst = torch.empty(chunk * world_size, dtype=torch.uint8, device=device)
 
         def gather():
-            _gather_into_tensor()(dst, src)
+            gather_into_tensor()(dst, src)
 
         dist.barrier()
         s = _median_seconds(gather, device, reps=5)

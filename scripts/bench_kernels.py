@@ -21,6 +21,9 @@ forward pass). The device idles during the sleep: on an H200 the host-ahead time
 H 32 call was 0.3-0.5 ms below the time of calls queued back to back
 (``benchmarks/results/2026-11-30-h200-s10``), so ``do_bench`` is the steady-state figure.
 DeepGEMM alone is timed cold and by ``do_bench``; the JSON holds the ratios of each pair.
+The timing helpers live in :mod:`sp_kpool.testing.bench`.
+
+Runs with the package installed (``pip install -e .`` from the repository root).
 """
 
 from __future__ import annotations
@@ -29,45 +32,18 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from sp_kpool.backends import BACKENDS  # noqa: E402
-from sp_kpool.pooling import pool_table  # noqa: E402
-from sp_kpool.selection import row_meta  # noqa: E402
-from sp_kpool.testing.problems import rank_slice_problem, reference_slice_problem  # noqa: E402
-
-
-def log(msg):
-    print(msg, flush=True)
-
-
-def save(res, out_dir, name):
-    """Write ``res`` as ``out_dir/name`` (indented JSON)."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, name), "w") as f:
-        json.dump(res, f, indent=1)
-
-
-def bench(fn, reps=10, warmup=3):
-    """Median milliseconds of ``fn()`` (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+from sp_kpool.backends import BACKENDS
+from sp_kpool.pooling import pool_table
+from sp_kpool.selection import row_meta
+from sp_kpool.testing.bench import do_bench_ms as bench_do_bench
+from sp_kpool.testing.bench import host_ahead_ms as bench_host_ahead
+from sp_kpool.testing.bench import launch_kwargs, log, package_versions, save
+from sp_kpool.testing.bench import median_ms as bench
+from sp_kpool.testing.problems import rank_slice_problem, reference_slice_problem
 
 
 def ceilings():
@@ -87,12 +63,6 @@ def ceilings():
     ms_copy = bench(lambda: x.clone(), reps=20)
     out["copy_gbps"] = 2 * 2**30 / ms_copy / 1e6
     return out
-
-
-def launch_kwargs(opts):
-    """``{'name': value}`` of ``['name=value', ...]``: integers where the value is one, else
-    the string (``search=split``)."""
-    return {n: int(v) if v.lstrip("-").isdigit() else v for n, v in (o.split("=", 1) for o in opts)}
 
 
 def causal_pairs(p):
@@ -127,37 +97,6 @@ def staged(name, p, reps=5):
         else:
             os.environ["SP_KPOOL_TABLE_CACHE"] = old
     return whole, med
-
-
-def bench_host_ahead(fn, reps=5):
-    """``(device ms, host ms)`` medians of ``fn()`` when the host is ahead of the device, as
-    in a model's forward pass where earlier layers still run: a ~10 ms device sleep is
-    queued before the start event, so the call's host work before its first kernel
-    overlaps it. A host time close to the sleep or longer means the call waited for the
-    device somewhere."""
-    fn()
-    torch.cuda.synchronize()
-    times, host = [], []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(20_000_000)
-        a.record()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2]
-
-
-def bench_do_bench(fn):
-    """Median milliseconds of ``fn()`` by ``triton.testing.do_bench`` (the measurement of the
-    field's kernel benchmarks): calls queued back to back, each after a flush of the L2
-    cache, so the host runs ahead of the device and the events time the device's work."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
 def deepgemm_chunked(p, fn, q8, wq, kv):
@@ -225,17 +164,13 @@ def main():
     ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads[:bq[:clean]],...' to time first")
     ap.add_argument("--select-configs", default="",
                     help="selector launches 'name=value[+name=value]' (keyword arguments of topk_ascending: capg, ways, "
-                         "maxnreg, search, min_group, ...), comma-separated, timed on the fp8 logits after the default launch and "
+                         "maxnreg, tile, ...), comma-separated, timed on the fp8 logits after the default launch and "
                          "compared with its answer (a repeated launch is timed again)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "args": vars(args)}  # fmt: skip
-    for mod in ("triton", "tilelang", "deep_gemm", "lmdeploy"):
-        try:
-            res[mod] = getattr(__import__(mod), "__version__", "?")
-        except Exception as exc:  # noqa: BLE001
-            res[mod] = f"unavailable ({type(exc).__name__})"
+    res.update(package_versions(("triton", "tilelang", "deep_gemm", "lmdeploy")))
     res["ceilings"] = ceil = ceilings()
     log(json.dumps(res))
     res["runs"] = []

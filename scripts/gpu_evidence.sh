@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU evidence, in parts that fit one device call each. Run from the repository root on
 # a CUDA host whose Python can import sp_kpool's GPU packages (see shared gpu_wheels.sh).
-#   bash scripts/gpu_evidence.sh check   OUTDIR   # gpu_check.py (all sections) + bench_kernels.py
+#   bash scripts/gpu_evidence.sh check   OUTDIR   # pytest tests/gpu (full sizes, gpu.xml) + bench_kernels.py
 #   bash scripts/gpu_evidence.sh ranks   OUTDIR   # torchrun NCCL over every GPU, GPU arms, scale options
 #   bash scripts/gpu_evidence.sh scale   OUTDIR   # scripts/bench.py under torchrun + parity replays + mpirun
 #   bash scripts/gpu_evidence.sh perf    OUTDIR   # bench_kernels.py + scripts/bench.py, library defaults only
@@ -10,12 +10,14 @@ part=$1
 out=$2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# the scripts and tests/multigpu/sharded_check.py import this checkout's package
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 filter() { grep -v "TileLang begins\|TileLang completes\|AnnotateWarpGroupRegAlloc"; }
 case $part in
   check)
-    timeout 300 python3 scripts/gpu_check.py --out "$out" 2>&1 | filter > "$out/gpu_check.log"
-    echo "gpu_check: $(grep -c PASS "$out/gpu_check.log") PASS lines"; grep "FAIL" "$out/gpu_check.log" | cut -c1-400
+    SP_KPOOL_GPU_FULL=1 timeout 300 python3 -m pytest tests/gpu -q -rA --junitxml="$out/gpu.xml" 2>&1 | filter > "$out/gpu_tests.log"
+    echo "tests/gpu: $(tail -n 1 "$out/gpu_tests.log")"; grep "^FAILED\|^ERROR" "$out/gpu_tests.log" | cut -c1-400
     timeout 200 python3 scripts/bench_kernels.py --torch-baseline --budget 0 --out "$out" 2>&1 | filter > "$out/bench_kernels.log"
     cut -c1-600 "$out/bench_kernels.log"
     ;;

@@ -12,24 +12,22 @@ pooling one launch, ``pool_and_prepare``) and a whole call on the reference work
 waited for the device. ``stage_tables`` is timed building its tables (the driver's table
 cache is cleared first); the whole call that follows finds them cached, as every layer
 after the first does.
+
+Runs with the package installed (``pip install -e .`` from the repository root).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from sp_kpool.backends import BACKENDS  # noqa: E402
-from sp_kpool.backends.base import clear_table_cache, stage_tables  # noqa: E402
-from sp_kpool.pooling import pool_table  # noqa: E402
-from sp_kpool.testing.problems import reference_slice_problem  # noqa: E402
+from sp_kpool.backends import BACKENDS
+from sp_kpool.backends.base import clear_table_cache, stage_tables
+from sp_kpool.pooling import pool_table
+from sp_kpool.testing.problems import reference_slice_problem
 
 
 def main():

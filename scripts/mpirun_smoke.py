@@ -8,6 +8,8 @@ The rendezvous is a FileStore in a directory that rank 0 creates and broadcasts 
 so no TCP port is needed. NCCL when CUDA is available (local rank from a shared-memory
 MPI split), gloo otherwise. Exit status 1 on any rank's failure (python -m mpi4py turns an
 uncaught exception into MPI_Abort, which ends every rank).
+
+Runs with the package installed (``pip install -e .`` from the repository root).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import shutil
 import sys
 import tempfile
 from datetime import timedelta
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> int:
@@ -58,4 +58,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__)
+        sys.exit(0)
     sys.exit(main())

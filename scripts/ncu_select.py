@@ -4,24 +4,26 @@
     ncu -k regex:select_kernel -s 2 -c 1 --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats python scripts/ncu_select.py "dict(maxnreg=64)"
 
-The optional argument is a Python dict of keyword arguments of ``topk_ascending``.
+The optional argument is a Python dict of keyword arguments of ``topk_ascending``
+(``--help`` prints this text).
+
+Runs with the package installed (``pip install -e .`` from the repository root).
 """
 
 import ast
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import torch  # noqa: E402
-from bench_select import make_logits  # noqa: E402
+import torch
 
 from sp_kpool.kernels.triton_select import topk_ascending  # noqa: E402
+from sp_kpool.testing.bench import selector_logits
 
 
 def main():
     kw = {}
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     if len(sys.argv) > 1:  # "dict(a=1)" or "{'a': 1}"
         text = sys.argv[1]
         if text.startswith("dict("):
@@ -29,7 +31,7 @@ def main():
             kw = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
         else:
             kw = ast.literal_eval(text)
-    s, ends = make_logits(16384, 32768, 0, 0)
+    s, ends = selector_logits(16384, 32768, 0, 0)
     starts = torch.zeros_like(ends)
     base = torch.zeros(16384, dtype=torch.int64, device="cuda")
     for _ in range(3):

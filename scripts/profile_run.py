@@ -7,6 +7,8 @@ Prints the CUDA-time and CPU-time tables of one call after two warm-up calls, th
 GPU timeline (when the first kernel starts after the call begins, the kernels in order, and
 every GPU gap of more than 20 us with the kernels around it), and writes a Chrome trace
 ``profile_<backend>.json`` under ``--out``.
+
+Runs with the package installed (``pip install -e .`` from the repository root).
 """
 
 from __future__ import annotations
@@ -17,12 +19,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from sp_kpool.backends import BACKENDS  # noqa: E402
-from sp_kpool.testing.problems import reference_slice_problem  # noqa: E402
+from sp_kpool.backends import BACKENDS
+from sp_kpool.testing.problems import reference_slice_problem
 
 
 def main():

@@ -7,6 +7,9 @@ NCCL with one GPU per rank when CUDA is available, gloo on CPU otherwise. Cases:
 lengths, pools straddling seams, shards starting mid-document, a shard holding only
 padding (STANDARD_CASES). Prints one PASS/FAIL line per rank and case set; exit status 1
 on any failure.
+
+Runs with the package importable: installed (``pip install -e .``) or the repository root on
+``PYTHONPATH`` (``test_launchers.py`` and ``scripts/gpu_evidence.sh`` set it).
 """
 
 from __future__ import annotations
@@ -16,12 +19,10 @@ import os
 import sys
 from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from sp_kpool.testing.rank_checks import STANDARD_CASES, sharded_vs_world1  # noqa: E402
+from sp_kpool.testing.rank_checks import STANDARD_CASES, sharded_vs_world1
 
 
 def main() -> int:

@@ -1,0 +1,48 @@
+"""Every rank of a 2/3/4/8-rank split, computed in this process (the gather replaced by the
+padded global keys), equals world size 1 bit for bit, per GPU backend arm (gpu_check
+section ``ranks``; ``-k tilelang`` / ``-k deepgemm`` runs one backend, as its
+``--ranks-backends`` did)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from sp_kpool.backends import BACKENDS
+from sp_kpool.sharding import ShardedSequence
+from sp_kpool.testing.problems import rank_slice_problem
+
+pytestmark = pytest.mark.xdist_group("gpu")
+LENGTHS = [3001, 1, 2, 5000, 4095]
+NEEDS = {"tilelang": ("tilelang",), "deepgemm": ("deep_gemm", "triton")}
+ARMS = [pytest.param(name, precision, H, D, marks=pytest.mark.requires(*NEEDS[name]), id=f"{name}-{precision}-H{H}")
+        for name, precision, H, D in (("tilelang", "bf16", 64, 128), ("tilelang", "bf16-serving", 32, 128),
+                                      ("deepgemm", "fp8", 64, 128), ("deepgemm", "fp8", 32, 128))]  # fmt: skip
+
+
+def _padrows(t, n):
+    return torch.cat([t, t.new_zeros((n, *t.shape[1:]))]) if n > 0 else t
+
+
+@pytest.mark.parametrize("ws", (2, 3, 4, 8))
+@pytest.mark.parametrize("name,precision,H,D", ARMS)
+def test_every_rank_equals_world_size_one(cache, name, precision, H, D, ws):
+    key = (name, precision, H, D)
+    if key not in cache:
+        base = rank_slice_problem(sum(LENGTHS), 1, 0, heads=H, head_dim=D, topk=2048, lengths=LENGTHS,
+                                  precision=precision, max_logits_bytes=64 << 20, seed=11)  # fmt: skip
+        cache[key] = base, BACKENDS[name].run(base)
+    base, ref = cache[key]
+    wrong = []
+    for r in range(ws):
+        seq = ShardedSequence.split(base.seq.cu_seq_lens, world_size=ws, rank=r)
+        pad = seq.total_length - base.k.shape[0]
+        a, b = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
+        q = _padrows(base.q[a:b], seq.shard_size - max(0, b - a))
+        w = _padrows(base.head_weights[a:b], seq.shard_size - max(0, b - a))
+        p = dataclasses.replace(base, seq=seq, q=q, head_weights=w, k=_padrows(base.k, pad), gates=_padrows(base.gates, pad))
+        out = BACKENDS[name].run(p)
+        n = max(0, b - a)
+        if not (torch.equal(out[:n], ref[a:b]) and bool((out[n:] == -1).all())):
+            wrong.append(r)
+    assert not wrong, f"ranks differing from world size 1: {wrong} of {ws}"
