@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_select import make_logits  # noqa: E402
 
-from sp_kpool.kernels.triton_select import topk_ascending  # noqa: E402
+from sp_kpool.kernels.triton_topk import topk_ascending  # noqa: E402
 
 
 def main():
