@@ -164,7 +164,7 @@ def main():
     ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads[:bq[:clean]],...' to time first")
     ap.add_argument("--select-configs", default="",
                     help="selector launches 'name=value[+name=value]' (keyword arguments of topk_ascending: capg, ways, "
-                         "maxnreg, tile, ...), comma-separated, timed on the fp8 logits after the default launch and "
+                         "maxnreg, vsteps, ...), comma-separated, timed on the fp8 logits after the default launch and "
                          "compared with its answer (a repeated launch is timed again)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -238,7 +238,7 @@ def main():
                     row["lmdeploy_topk_512_ms"] = bench(lambda: sparse_index_topk(logits.contiguous(), qlen, kvlen, 512), reps=5)
                 except Exception as exc:  # noqa: BLE001
                     row["lmdeploy_topk_512"] = f"unavailable: {type(exc).__name__}: {exc}"
-                from sp_kpool.kernels.triton_select import topk_ascending
+                from sp_kpool.kernels.triton_topk import topk_ascending
 
                 zero = torch.zeros(logits.shape[0], dtype=torch.int64, device="cuda")
                 row["triton_topk_512_ms"] = bench(lambda: topk_ascending(logits, s, e, zero, 512), reps=5)

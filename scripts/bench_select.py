@@ -5,8 +5,7 @@
 Logits like one scoring chunk of the reference workload (SPEC 9): ``--rows`` query rows of
 the rank-3 slice of a 4-rank split, row ``r`` visible on ``[0, end_r)`` with ``end_r`` from
 ``3/4 * pools`` to ``pools`` (``-inf`` elsewhere), FP32 scores from a ReLU-weighted random
-model. Times, on the same logits: ``topk_ascending`` for several launch configurations (and its
-phases alone for one),
+model. Times, on the same logits: ``topk_ascending`` for several launch configurations,
 LMDeploy's ``sparse_index_topk`` and ``torch.topk`` (value only, no exact ties rule); checks
 every configuration against the exact int64-key Top-K (``selection.topk_pools``), also on
 inputs with heavy exact ties. Writes ``bench_select.json``. The logits, the exact reference
@@ -24,8 +23,8 @@ import time
 
 import torch
 
-from sp_kpool.kernels import triton_select  # noqa: E402
-from sp_kpool.kernels.triton_select import topk_ascending  # noqa: E402
+from sp_kpool.kernels import triton_topk
+from sp_kpool.kernels.triton_topk import topk_ascending
 from sp_kpool.testing.bench import exact_ascending, launch_kwargs, log, median_ms, save, selector_logits
 
 
@@ -41,7 +40,7 @@ def exact(s, ends, k, base):
 def launch(cfg, sms):
     """Keyword arguments of ``topk_ascending`` for ``'warps:ways:maxnreg[:tile[:per_sm]]'`` or
     ``'default'``, either followed by ``+name=value`` keyword arguments passed as they are
-    (e.g. ``default+capg=1024``, ``default+ways=2+maxnreg=64``)."""
+    (e.g. ``default+capg=1024``, ``default+vsteps=0+ways=2``)."""
     cfg, *opts = cfg.split("+")
     extra = launch_kwargs(opts)
     if cfg == "default":
@@ -60,7 +59,6 @@ def main():
     ap.add_argument("--configs", default="default,8:2:64,8:3:64,4:2:64,8:2:0",
                     help="comma-separated 'warps:ways:maxnreg[:tile[:per_sm]]' (0: the kernel's default) or 'default', "
                          "each optionally followed by '+name=value' keyword arguments of topk_ascending (e.g. capg)")
-    ap.add_argument("--phase-config", default="default", help="config whose phases 1-3 are timed alone")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -83,18 +81,8 @@ def main():
             ok = torch.equal(got, ref)
             ms = bench(f)
             row["configs"][cfg] = {"ms": ms, "equal_exact": ok, "gb_per_s": s.numel() * 4 / ms / 1e6,
-                                   "launch": dict(triton_select.last_launch)}  # fmt: skip
-            log(f"levels={levels} cfg={cfg} {ms:.3f} ms equal={ok} launch={triton_select.last_launch}")
-        if levels == 0 and args.phase_config:
-            kw = launch(args.phase_config, sms)
-            try:
-                for ph in (1, 2, 3):
-                    ms = bench(lambda: topk_ascending(s, starts, ends, bvec, args.k, phases=ph, **kw))  # noqa: B023
-                    row[f"phases_1_to_{ph}_ms"] = ms
-                    log(f"phases 1..{ph} ({args.phase_config}): {ms:.3f} ms")
-            except TypeError as exc:  # a topk_ascending without the phases= option
-                row["phases"] = f"unavailable: {exc}"
-                log(f"phases alone not timed: {exc}")
+                                   "launch": dict(triton_topk.last_launch)}  # fmt: skip
+            log(f"levels={levels} cfg={cfg} {ms:.3f} ms equal={ok} launch={triton_topk.last_launch}")
         if levels == 0:
             row["torch_topk_ms"] = bench(lambda: torch.topk(s, args.k, dim=-1))
             try:

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from sp_kpool.kernels.triton_select import topk_ascending  # noqa: E402
+from sp_kpool.kernels.triton_topk import topk_ascending
 from sp_kpool.testing.bench import selector_logits
 
 

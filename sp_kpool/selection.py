@@ -255,11 +255,11 @@ def serving_pools(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, select
 
 
 def _triton_select(k: int, width: int):
-    """:func:`sp_kpool.kernels.triton_select.topk_ascending` if Triton imports and ``k`` and
-    the row ``width`` are within its limits (:func:`sp_kpool.kernels.triton_select.supports`)."""
+    """:func:`sp_kpool.kernels.triton_topk.topk_ascending` if Triton imports and ``k`` and
+    the row ``width`` are within its limits (:func:`sp_kpool.kernels.triton_topk.supports`)."""
     if probe("triton")[0] is None:
         return None
-    from .kernels.triton_select import supports, topk_ascending
+    from .kernels.triton_topk import supports, topk_ascending
 
     return topk_ascending if supports(width, k) else None
 
@@ -299,7 +299,7 @@ def select_pools(
     (optional; cells outside are ignored).
 
     Order of each row: ``order="ascending"``: ascending pool id; ``"serving"``: the serving
-    selector's; otherwise score order. On CUDA the Triton selector of :mod:`sp_kpool.kernels.triton_select` (exact by
+    selector's; otherwise score order. On CUDA the Triton selector of :mod:`sp_kpool.kernels.triton_topk` (exact by
     construction, no host synchronisation), else LMDeploy's radix selector with an
     exactness check, else the FP32 candidate path; on CPU the int64-key path. All return
     the same sets.
@@ -347,7 +347,7 @@ def select_pools(
 
 def _select_cuda(scores, visible, k: int, col0, ends, order: str, starts, out):
     """The Triton selector's path of :func:`select_pools` (``out``: ``[R, k]`` or ``None``)."""
-    from .kernels.triton_select import topk_ascending as fast
+    from .kernels.triton_topk import topk_ascending as fast
 
     R, n = scores.shape
     dev = scores.device
@@ -406,7 +406,7 @@ def assemble(
     if order == "ascending" and not presorted:
         p32 = _ascending(p32)
     if device.type == "cuda" and probe("triton")[0] is not None:
-        from .kernels.triton_select import expand_pools
+        from .kernels.triton_expand import expand_pools
 
         # the kernel writes every column (no -1 fill first)
         dest = dest if dest is not None else torch.empty((rows, width), dtype=torch.int32, device=device)

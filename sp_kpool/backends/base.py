@@ -394,7 +394,7 @@ def _check_pads(cls: type) -> None:
 
 def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:
     """``[2, n_chunks * C]`` int32 ``[start, end)`` of every row of the chunk grid relative
-    to its chunk's pool range (see :func:`sp_kpool.kernels.triton_select.chunk_row_ranges`,
+    to its chunk's pool range (see :func:`sp_kpool.kernels.triton_ranges.chunk_row_ranges`,
     its one-launch CUDA twin)."""
     device = bounds.device
     meta = row_meta(torch.arange(lo_row, hi_row, device=device), cu, offs, kpool)
@@ -520,7 +520,7 @@ def select_rows(
     ranges = staged.ranges
     if ranges is None:
         if device.type == "cuda" and probe("triton")[0] is not None:
-            from ..kernels.triton_select import chunk_row_ranges
+            from ..kernels.triton_ranges import chunk_row_ranges
 
             ranges = chunk_row_ranges(cu_dev, offs_dev, bounds_dev, lo_row, hi_row, first, C, kpool)
         else:

@@ -45,10 +45,17 @@ def interpreted_module(name: str):
     _patch_index()
     import triton.language.standard as standard
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
     if not isinstance(standard.sum, InterpretedFunction):
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; set it before the first import of triton")
     mod = importlib.import_module(name)
-    if not isinstance(getattr(mod, "select_kernel", None), InterpretedFunction):
+    # a module first imported without the interpreter holds compiled-mode kernels and
+    # @triton.jit helpers: reload it, after the modules its helpers come from
+    # (sp_kpool.kernels.triton_topk calls those of sp_kpool.kernels.triton_topk_search)
+    compiled = [v for v in vars(mod).values() if isinstance(v, JITFunction)]
+    if compiled:
+        for dep in sorted({v.fn.__module__ for v in compiled} - {name}):
+            importlib.reload(importlib.import_module(dep))
         mod = importlib.reload(mod)
     return mod

@@ -1,5 +1,6 @@
-"""The Triton selector and expansion kernels, run by Triton's CPU interpreter, against the
-exact int64-key Top-K and the torch ``assemble`` (bit for bit).
+"""The Triton selector, expansion and chunk row-range kernels, run by Triton's CPU
+interpreter, against the exact int64-key Top-K, the torch ``assemble`` and the torch row
+ranges (bit for bit).
 
 Not collected directly (the name does not start with ``test_``):
 ``test_triton_interpreter.py`` runs this file in a child pytest with ``TRITON_INTERPRET=1``,
@@ -19,7 +20,9 @@ from sp_kpool.pooling import pool_table  # noqa: E402
 from sp_kpool.selection import _ascending, assemble, row_meta, topk_pools  # noqa: E402
 from sp_kpool.testing.triton_interp import interpreted_module  # noqa: E402
 
-ts = interpreted_module("sp_kpool.kernels.triton_select")
+tk = interpreted_module("sp_kpool.kernels.triton_topk")
+te = interpreted_module("sp_kpool.kernels.triton_expand")
+tr = interpreted_module("sp_kpool.kernels.triton_ranges")
 
 
 def in_range(scores, starts, ends):
@@ -39,7 +42,7 @@ def exact_ascending(scores, starts, ends, base, k):
 
 def run(scores, starts, ends, k, **kw):
     base = torch.arange(scores.shape[0], dtype=torch.int64) * 1000 + 7
-    got = ts.topk_ascending(scores, starts, ends, base, k, **kw)
+    got = tk.topk_ascending(scores, starts, ends, base, k, **kw)
     assert got.dtype == torch.int32 and got.shape == (scores.shape[0], k)
     assert torch.equal(got, exact_ascending(scores, starts, ends, base, k))
 
@@ -81,27 +84,23 @@ def test_bad_arguments():
     s = torch.zeros(2, 8)
     base = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="k: expected"):
-        ts.topk_ascending(s, base, base + 8, base, 0)
+        tk.topk_ascending(s, base, base + 8, base, 0)
     with pytest.raises(ValueError, match="scores: expected"):
-        ts.topk_ascending(s.double(), base, base + 8, base, 2)
+        tk.topk_ascending(s.double(), base, base + 8, base, 2)
     with pytest.raises(ValueError, match="ways: expected"):
-        ts.topk_ascending(s, base, base + 8, base, 2, ways=4)
-    with pytest.raises(ValueError, match="search: expected 'interp' or 'split', got 'radix'"):
-        ts.topk_ascending(s, base, base + 8, base, 2, search="radix")
-    with pytest.raises(ValueError, match="min_group: expected 4 or 8, got 2"):
-        ts.topk_ascending(s, base, base + 8, base, 2, min_group=2)
+        tk.topk_ascending(s, base, base + 8, base, 2, ways=4)
     with pytest.raises(ValueError, match="vsteps: expected an int >= 0, got -1"):
-        ts.topk_ascending(s, base, base + 8, base, 2, vsteps=-1)
+        tk.topk_ascending(s, base, base + 8, base, 2, vsteps=-1)
     for bad in ((0.5, 0.5), (0.0, 0.5), (0.2, 1.0), (0.1,), "ab"):
         with pytest.raises(ValueError, match=r"split4: expected two fractions \(a, b\) with 0 < a < b < 1"):
-            ts.topk_ascending(s, base, base + 8, base, 2, split4=bad)
+            tk.topk_ascending(s, base, base + 8, base, 2, split4=bad)
     with pytest.raises(ValueError, match="split2: expected two fractions"):
-        ts.topk_ascending(s, base, base + 8, base, 2, split2=(0.7, 0.6))
+        tk.topk_ascending(s, base, base + 8, base, 2, split2=(0.7, 0.6))
     wide = torch.zeros(1, 140000)
     one = torch.zeros(1, dtype=torch.int64)
-    assert ts.supports(70000, 2048) and not ts.supports(140000, 2048)
+    assert tk.supports(70000, 2048) and not tk.supports(140000, 2048)
     with pytest.raises(ValueError, match="candidate cells"):
-        ts.topk_ascending(wide, one, one + 140000, one, 2048)
+        tk.topk_ascending(wide, one, one + 140000, one, 2048)
 
 
 def test_nan_is_never_selected():
@@ -145,10 +144,10 @@ def test_expand_equals_torch_assemble(kpool, tail, alignment):
     topk = k * kpool + 1  # a token budget that is not a multiple of kpool
     want = assemble(pools, meta, pts, topk=topk, kpool=kpool, tail=tail, order="score", alignment=alignment)
     out = torch.full_like(want, 12345)  # every column is written: no -1 fill needed
-    got = ts.expand_pools(pools.int(), meta.rows, meta.tail_len, meta.pool_hi, out, topk=topk, kpool=kpool, tail=tail)
+    got = te.expand_pools(pools.int(), meta.rows, meta.tail_len, meta.pool_hi, out, topk=topk, kpool=kpool, tail=tail)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
     with pytest.raises(ValueError, match="out: expected a"):
-        ts.expand_pools(pools.int(), meta.rows, meta.tail_len, meta.pool_hi, out.t(), topk=topk, kpool=kpool, tail=tail)
+        te.expand_pools(pools.int(), meta.rows, meta.tail_len, meta.pool_hi, out.t(), topk=topk, kpool=kpool, tail=tail)
 
 
 @pytest.mark.parametrize("tail", ["fixed", "compact"])
@@ -163,7 +162,7 @@ def test_expand_rows_wider_than_one_block(tail):
     assert int((pools[2] >= 0).sum()) == 3  # row 6 of a 7-token document
     want = assemble(pools, meta, pts, topk=k * kpool, kpool=kpool, tail=tail, order="score", alignment=1)
     out = torch.full_like(want, 777)
-    got = ts.expand_pools(pools.int(), meta.rows, meta.tail_len, meta.pool_hi, out, topk=k * kpool, kpool=kpool, tail=tail)
+    got = te.expand_pools(pools.int(), meta.rows, meta.tail_len, meta.pool_hi, out, topk=k * kpool, kpool=kpool, tail=tail)
     assert torch.equal(got, want)
 
 
@@ -191,7 +190,7 @@ def test_rank_by_score_gives_score_order():
     starts, ends = torch.tensor([0, 3, 0, 10, 299]), torch.tensor([300, 200, 40, 300, 300])
     base = torch.tensor([7, 1000, 0, 5, 9], dtype=torch.int64)
     k = 50
-    asc = ts.topk_ascending(s, starts, ends, base, k)
+    asc = tk.topk_ascending(s, starts, ends, base, k)
     want, ok = topk_pools(s, in_range(s, starts, ends), k, 0)
     want = torch.where(ok, want + base[:, None], -1)
     assert torch.equal(_rank_by_score(s, asc, base[:, None]), want)
@@ -209,11 +208,10 @@ def test_multiway_searches(ways, warps):
     run(s, starts, ends, 1, ways=ways, num_warps=warps)
 
 
-@pytest.mark.parametrize("mode", [dict(search="interp"), dict(min_group=4), dict(search="interp", min_group=4),
-                                  dict(ways=2), dict(search="interp", min_group=4, capg=512)])
-def test_search_modes_and_group_sizes(mode):
-    # the interpolating search and groups of 4 columns (candidate window up to 2 pow2(k)
-    # groups) on random rows, exact ties, skewed keys, few visible groups and short rows
+@pytest.mark.parametrize("mode", [dict(ways=2), dict(capg=512)])
+def test_search_modes(mode):
+    # the bisection search and a candidate capacity above pow2(k) on random rows, exact
+    # ties, skewed keys, few visible groups and short rows
     g = torch.Generator().manual_seed(12)
     n = 2000
     s = torch.randn(6, n, generator=g)
@@ -229,12 +227,10 @@ def test_search_modes_and_group_sizes(mode):
         run(s, starts, ends, k, **mode)
 
 
-def test_sizes_of_the_group_modes():
-    # groups of 4: twice the candidate groups, the same candidate block as groups of 8
-    assert ts._sizes(32768, 512, 4096, None) == (4096, 8, 4096, 512)
-    assert ts._sizes(32768, 512, 4096, None, 4) == (4096, 4, 8192, 1024)
-    assert ts._sizes(65536, 512, 4096, None, 4) == (4096, 8, 8192, 512)  # 8192 groups at most
-    assert ts._sizes(1000, 100, 4096, None, 4)[1:] == (4, 256, 256)
+def test_group_sizes():
+    # groups of 8 columns, wider ones for rows of more than 8192 groups of 8
+    assert tk._sizes(32768, 512, 4096, None) == (4096, 8, 4096, 512)
+    assert tk._sizes(131072, 512, 4096, None) == (4096, 16, 8192, 512)  # 8192 groups at most
 
 
 @pytest.mark.parametrize("kind", ["lognormal", "two_clusters", "denormal_and_huge", "few_groups"])
@@ -324,11 +320,11 @@ def test_phase_one_tile_geometry(warps):
     wide = torch.randn(3, n + 700, generator=g)
     wide[:, n:] = 1000.0
     base = torch.zeros(3, dtype=torch.int64)
-    got = ts.topk_ascending(wide[:, :n], torch.tensor([0, 5, 2000]), torch.tensor([n + 600, n + 1, n + 300]), base, 40,
+    got = tk.topk_ascending(wide[:, :n], torch.tensor([0, 5, 2000]), torch.tensor([n + 600, n + 1, n + 300]), base, 40,
                             tile=256, num_warps=warps)  # fmt: skip
     assert torch.equal(got, exact_ascending(wide[:, :n], torch.tensor([0, 5, 2000]), torch.full((3,), n), base, 40))
     # a start near INT32_MAX (past the width: an empty row; its tile arithmetic must not wrap)
-    got = ts.topk_ascending(s[:2], torch.tensor([2**31 - 1, 0]), torch.tensor([300, 300]), base[:2], 4, tile=256,
+    got = tk.topk_ascending(s[:2], torch.tensor([2**31 - 1, 0]), torch.tensor([300, 300]), base[:2], 4, tile=256,
                             num_warps=warps)  # fmt: skip
     assert torch.equal(got, exact_ascending(s[:2], torch.tensor([n, 0]), torch.tensor([300, 300]), base[:2], 4))
 
@@ -362,21 +358,21 @@ def test_tiny_widths_and_broadcast_rows_stay_in_storage():
     g = torch.Generator().manual_seed(11)
     for W, in_storage in ((1, 0), (3, 3)):  # 5 x 3: rows 0-2 reach at most 6 + 8 <= 15 cells
         s = torch.randn(5, W, generator=g)
-        assert ts._rows_in_storage(s, 8) == in_storage
+        assert tk._rows_in_storage(s, 8) == in_storage
         run(s, torch.zeros(5, dtype=torch.int64), torch.full((5,), W), 1)
     row = torch.randn(1, 20, generator=g)
-    assert ts._rows_in_storage(row.expand(3, 20), 24) == 0
-    assert ts._rows_in_storage(row[:, :16].expand(3, 16), 16) == 3
+    assert tk._rows_in_storage(row.expand(3, 20), 24) == 0
+    assert tk._rows_in_storage(row[:, :16].expand(3, 16), 16) == 3
     run(row.expand(3, 20), torch.zeros(3, dtype=torch.int64), torch.full((3,), 20), 4)
 
 
 def test_group_count_limit():
     # at most 8192 groups per row: the searches count in 16-bit fields
-    assert not ts.supports(16777216, 2) and ts.supports(2 * 10**6, 2)
+    assert not tk.supports(16777216, 2) and tk.supports(2 * 10**6, 2)
     s = torch.zeros(1, 524288)
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="groups of 8 columns"):
-        ts.topk_ascending(s, one, one + 524288, one, 2, tile=64)
+        tk.topk_ascending(s, one, one + 524288, one, 2, tile=64)
 
 
 def test_streamed_blocks_with_small_k():
@@ -402,7 +398,7 @@ def test_chunk_row_ranges_equal_the_torch_arithmetic(lengths, kpool, C, lo, hi):
     grid = list(range(first, hi, C))
     m = row_meta(torch.tensor([r for g0 in grid for r in (g0, min(g0 + C, int(cu[-1])) - 1)]), cu, offs, kpool)
     bounds = torch.stack([m.pool_lo[0::2], m.pool_hi[1::2]], dim=1)
-    got = ts.chunk_row_ranges(cu, offs, bounds, lo, hi, first, C, kpool)
+    got = tr.chunk_row_ranges(cu, offs, bounds, lo, hi, first, C, kpool)
     want = row_ranges_torch(cu, offs, bounds, lo, hi, first, C, kpool)
     assert got.dtype == torch.int32 and torch.equal(got, want)
 
@@ -427,7 +423,7 @@ def test_chunk_row_ranges_random_layouts():
         grid = list(range(first, hi, C))
         m = row_meta(torch.tensor([r for g0 in grid for r in (g0, min(g0 + C, n) - 1)]), cu, offs, kpool)
         bounds = torch.stack([m.pool_lo[0::2], m.pool_hi[1::2]], dim=1)
-        got = ts.chunk_row_ranges(cu, offs, bounds, lo, hi, first, C, kpool)
+        got = tr.chunk_row_ranges(cu, offs, bounds, lo, hi, first, C, kpool)
         assert torch.equal(got, row_ranges_torch(cu, offs, bounds, lo, hi, first, C, kpool)), (lengths, kpool, C, lo, hi)
 
 
@@ -442,15 +438,15 @@ def test_out_rows_of_a_larger_tensor():
     k = 64  # rows 2 and 4 have fewer visible cells, row 3 none
     big = torch.full((9, k + 5), 12345, dtype=torch.int32)
     out = big[2:7, 3 : 3 + k]
-    got = ts.topk_ascending(s, starts, ends, base, k, tile=256, out=out)
+    got = tk.topk_ascending(s, starts, ends, base, k, tile=256, out=out)
     assert got is out
     assert torch.equal(out, exact_ascending(s, starts, ends, base, k))
     keep = torch.ones_like(big, dtype=torch.bool)
     keep[2:7, 3 : 3 + k] = False
     assert bool((big[keep] == 12345).all())
     with pytest.raises(ValueError, match="out: expected an int32 tensor of shape"):
-        ts.topk_ascending(s, starts, ends, base, k, out=torch.empty((5, k), dtype=torch.int64))
+        tk.topk_ascending(s, starts, ends, base, k, out=torch.empty((5, k), dtype=torch.int64))
     with pytest.raises(ValueError, match="out: expected an int32 tensor of shape"):
-        ts.topk_ascending(s, starts, ends, base, k, out=torch.empty((5, k + 1), dtype=torch.int32))
+        tk.topk_ascending(s, starts, ends, base, k, out=torch.empty((5, k + 1), dtype=torch.int32))
     with pytest.raises(ValueError, match="unit column stride"):
-        ts.topk_ascending(s, starts, ends, base, k, out=torch.empty((k, 5), dtype=torch.int32).t())
+        tk.topk_ascending(s, starts, ends, base, k, out=torch.empty((k, 5), dtype=torch.int32).t())

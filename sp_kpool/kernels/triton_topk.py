@@ -1,0 +1,452 @@
+"""Exact, deterministic Top-K selection on the GPU (Triton): the launcher
+:func:`topk_ascending` (with :func:`supports` and :data:`MAX_K`) and its kernel
+``select_kernel``; the kernel's search and count helpers are in
+:mod:`sp_kpool.kernels.triton_topk_search`.
+
+:func:`topk_ascending` selects, in every row of an FP32 score matrix, the ``k`` best
+visible columns by the rule of :func:`sp_kpool.selection.topk_pools` (higher score first,
+ties toward the lower column, ``-0.0`` equal to ``+0.0``) and writes them in **ascending
+column order**, ``-1`` after. No host synchronisation, no per-row fix-up pass.
+
+Per row (a persistent grid: program ``p`` takes rows ``p, p + P, ...`` and reuses a small
+scratch area in global memory, which stays in L2):
+
+1. Keys: the FP32 bits mapped to a monotone int32; cells outside ``[start, end)`` or at
+   ``-inf`` or NaN get ``INT32_MIN`` (invisible). One pass over the row stores the maxima
+   of groups of ``G`` aligned adjacent columns (``G`` = 8 up to 65536 columns, then 16, 32,
+   ...). Whole groups are read with vector loads (the launcher runs rows whose last group
+   would end past the tensor's storage from a padded copy); the tiles inside ``[start,
+   end)`` run in a loop of their own without masks or branches that converts only the
+   group maxima to keys (the first and the last tile, masked, after it). Nothing is
+   counted here.
+2. ``L``: a value with at least ``k`` and at most ``capg`` (default: the power of two
+   ``>= k``) group maxima ``>= L``, by a search over the maxima in registers that stops
+   early (its bracket starts at the smallest visible maximum, and its first steps split
+   the bracket's FP32 value range rather than its keys: ``vsteps``, the first at the
+   fractions ``split2``). At least ``k`` keys
+   are ``>= L``, so the ``k``-th best key ``T`` is ``>= L``, and every cell of the answer
+   lies in a group with maximum ``>= L``. With fewer than
+   ``k`` visible groups, ``L`` admits every visible cell (there may be ``k`` or fewer:
+   step 3 then selects them all). Those groups' ids are compacted in column order.
+3. Their cells (read again) hold the answer: ``T`` by the same search (from ``L`` to the
+   row maximum, known from step 2; its first step splits the values at the fractions
+   ``split4``: on DeepGEMM logits ``T`` sits in the bottom 2% of that range), stopped as
+   soon as exactly ``k`` keys are at or above it; then the keys above ``T`` and the first keys
+   equal to ``T`` in column order, written in column order. Up to ``capg`` groups the
+   cells sit in registers; more groups (long runs of exactly equal scores) are streamed
+   in blocks of at least 256 groups for every step of the search and for the output.
+
+The searches count two thresholds per block reduction by default (``ways=3``): on an H200
+a row's time is bound by the number of dependent block reductions (barriers) as much as by
+its arithmetic. Their bracket arithmetic is 32-bit (offset binary: 64-bit steps cost about
+a fifth of all instructions), their loops end with the search (``while``, not a fixed
+length), and the scratch is read with unmasked vector loads (scalar masked loads of the
+group maxima read 4x their L2 sectors). Launches of up to 8 warps cap registers at 80 per
+thread (3 programs per SM instead of 1), and index tensors are rebuilt per row so that the
+compiler cannot keep them live across the row loop. Prefix counts use a scan over group
+sums plus a scan inside each group: one long scan over a tile is slow in Triton (a barrier
+per register chunk).
+
+Imports Triton: import this module only where Triton is available.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_topk_search import candidate_keys, count_ge4, kth_largest, load_keys, narrow4, positions, row_keys, split5
+
+__all__ = ["topk_ascending", "supports", "MAX_K"]
+
+#: Register cap (``maxnreg``) of launches of up to 8 warps: 3 programs of 8 warps per SM
+#: instead of 1 (the compiler's choice, ~190 registers); the fastest of the caps timed on an
+#: H200.
+_DEFAULT_MAXNREG = 80
+
+#: Largest ``k`` handled by :func:`topk_ascending` (checked on an H200 up to 2048; larger ``k``
+#: selects with the other CUDA paths of :func:`sp_kpool.selection.select_pools`).
+MAX_K = 2048
+_MAX_GROUPS = 8192
+
+#: Default of ``topk_ascending(vsteps=)``: phase 2's first steps split in value.
+_DEFAULT_VSTEPS = 3
+
+#: Defaults of ``topk_ascending(split2=, split4=)``: where the first step of phase 2's /
+#: phase 4's search splits the values (``()``: evenly / in key).
+_DEFAULT_SPLIT2 = (0.45, 0.6)
+_DEFAULT_SPLIT4 = (0.006, 0.022)
+
+
+#: Largest block of candidate cells (candidate groups x columns per group): the largest run
+#: on an H200 (k 2048, groups of 16, 70000 columns). Larger blocks spill registers (Triton caps any block at
+#: 2**20 elements); such shapes select with the other paths of ``select_pools``.
+_MAX_BLOCK = 32768
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _sizes(W: int, k: int, tile: int, capg: int | None):
+    """``(tile, group, ng, capg)`` of a launch for rows of width ``W``.
+
+    ``group``: the smallest power of two ``>= 8`` that makes at most 8192 groups (wider
+    rows get wider groups). ``capg`` (default): ``pow2(k)``; the candidate block is
+    ``capg * group`` cells."""
+    tile = min(_pow2(tile), _pow2(max(W + 8, 16)))
+    group = max(8, min(tile // 8, _pow2(-(-max(W, 1) // _MAX_GROUPS))))
+    # groups are aligned to multiples of `group` columns: a row [a, e) within W columns
+    # touches at most cdiv(W, group) of them; phase 2 holds them as [ng / gl, gl]
+    ng = max(_pow2(-(-max(W, 1) // group)), group, 8)
+    return tile, group, ng, _pow2(capg or _pow2(k))
+
+
+def _default_warps(W: int, k: int) -> int:
+    """Warps per program: 16 candidate cells per thread, 4 to 16 warps."""
+    _, group, _, capg = _sizes(W, k, 4096, None)
+    return min(16, max(4, capg * group // 512))
+
+
+@functools.lru_cache(maxsize=256)
+def supports(width: int, k: int) -> bool:
+    """Whether :func:`topk_ascending` handles rows of ``width`` columns and this ``k`` (at
+    the default launch): ``1 <= k <= MAX_K`` and ``capg`` (the power of two ``>= k``)
+    candidate groups of ``G`` columns within a block of 32768 cells, and at most 8192 groups
+    per row (``k`` 512: up to 524288 columns; ``k`` 2048: up to 131072). Checked on an H200
+    up to 70000 columns."""
+    if not 1 <= k <= MAX_K:
+        return False
+    _, group, ng, capg = _sizes(width, k, 512 * _default_warps(width, k), None)
+    return capg * group <= _MAX_BLOCK and ng <= _MAX_GROUPS
+
+
+
+@triton.jit
+def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gmax, Cand, R, k, nprog,
+                  TILE: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, CAPG: tl.constexpr, KP: tl.constexpr,
+                  WAYS: tl.constexpr, SB: tl.constexpr, GL: tl.constexpr, CW: tl.constexpr, VSTEPS: tl.constexpr = 0,
+                  F2A: tl.constexpr = 0.0, F2B: tl.constexpr = 0.0, F4A: tl.constexpr = 0.0, F4B: tl.constexpr = 0.0):
+    MINK: tl.constexpr = -2147483648
+    NB: tl.constexpr = TILE // G
+    pid = tl.program_id(0)
+    gbase = Gmax + pid.to(tl.int64) * NG
+    cbase = Cand + pid.to(tl.int64) * CW  # CW >= max(NG, CAPG): unmasked candidate-id loads stay in the row
+    for row in range(pid, R, nprog):
+        a = tl.load(starts_ptr + row)
+        # z1 and z are 0 (starts are >= 0) but unknown to the compiler: index tensors built
+        # from z are computed per row instead of being hoisted out of the loop, where they
+        # would hold ~100 registers per thread for the whole kernel (fewer programs per SM);
+        # z1 hides the alignment of phase 1's stores
+        z1 = tl.where(a < 0, a, 0)
+        z = z1 * 16
+        tb = tl.arange(0, NB) + z
+        q4 = tl.arange(0, G // 4) + z
+        t4 = tl.arange(0, 4) + z
+        tg = tl.arange(0, G) + z
+        gb = tl.arange(0, NG // GL) + z
+        gl = tl.arange(0, GL) + z
+        cg = tl.arange(0, CAPG) + z
+        sg = tl.arange(0, SB) + z
+        kofs = tl.arange(0, KP) + z
+        e = tl.load(ends_ptr + row)
+        pbase = tl.load(base_ptr + row)
+        a0 = (a // G) * G  # groups of G columns aligned to multiples of G (vector loads)
+        srow = S + tl.cast(row, tl.int64) * stride_s
+        orow = Out + tl.cast(row, tl.int64) * stride_o
+        tl.debug_barrier()  # the previous row is done with the scratch
+        # 1. maxima of the groups of G columns (INT32_MIN: no visible cell). Tiles i of
+        # [a0 + i TILE, a0 + (i + 1) TILE): those inside [a, e) (i in [i0, i1), most of
+        # them) in a loop without masks or branches (faster than one loop with a branch
+        # per tile, and fewer spills); the first tile if it starts before a, and
+        # the last if it ends past e, with masks
+        i0 = (a > a0).to(tl.int32)
+        i1 = tl.maximum((e - a0) // TILE, i0)
+        for t0 in range(a0 + i0 * TILE, a0 + i1 * TILE, TILE):
+            # maxima of floats, one key per group
+            # as [NB, G / 4, 4]: each thread holds whole groups (two 16-byte loads per group
+            # of 8), so the maxima need no shuffles, and stored at an offset whose alignment
+            # the compiler cannot see (z1), they need no layout conversion either (as [NB,
+            # G], a conversion through shared memory with two barriers per tile)
+            g0 = t0 + tb * G
+            v = tl.load(srow + g0[:, None, None] + (q4[None, :, None] * 4 + t4[None, None, :]))
+            # tl.max combines with maxnum (propagate_nan NONE): a NaN cell is skipped, a
+            # group of NaN only gives NaN, which row_keys makes invisible
+            m = tl.max(tl.max(v, axis=2), axis=1)
+            gidx = (t0 - a0) // G + tb  # < NG: the tile lies inside the row
+            tl.store(gbase + gidx + z1, row_keys(m, m == m))
+        for i in range(0, i0 + 1):  # the first tile (i = 0, if it starts before a), the last (i = i1)
+            t0 = a0 + tl.where(i < i0, 0, i1) * TILE
+            if t0 < e:
+                g0 = t0 + tb * G
+                key, _c = load_keys(srow, g0, tg, g0 < e, a, e)
+                gidx = (t0 - a0) // G + tb
+                tl.store(gbase + gidx, tl.max(key, axis=1), mask=gidx < NG)
+        nsel = tl.full((), 0, tl.int32)
+        if e > a:
+            tl.debug_barrier()
+            ngroups = tl.cdiv(e - a0, G)
+            gi = gb[:, None] * GL + gl[None, :]  # group ids as [NG / GL, GL]
+            # unmasked (vector loads); the scratch past the row's groups holds stale values
+            gm = tl.where(gi < ngroups, tl.load(gbase + gi), MINK)
+            # 2. L: at least k group maxima are >= L, so the k-th key T is >= L and every
+            # key of the answer lies in a group whose maximum is >= L (the search stops as
+            # soon as at most CAPG groups qualify). Fewer than k visible groups: L admits
+            # every visible cell (whose count may be at most k: then all are selected).
+            # from MINK + 1: fewer than k visible groups return it (every visible cell);
+            # n_low = count(gm >= low), top: the row's largest key (phase 4's too)
+            low, n_low, _n, top = kth_largest(gm, k, tl.full((), MINK + 1, tl.int32), CAPG, WAYS, VSTEPS, None, F2A, F2B)
+            # 3. those groups' ids, in column order
+            f = (gm >= low).to(tl.int32)
+            tl.store(cbase + positions(f) - 1, gi, mask=f == 1)
+            nc = n_low  # candidate groups
+            tl.debug_barrier()
+            if nc <= CAPG:
+                # 4. their keys in registers: T, then the keys above T and the first keys
+                # equal to T (ties toward the lower column), in column order
+                key, cols = candidate_keys(cbase, 0, cg, nc, srow, a0, tg, a, e, G, False)
+                # the candidates hold the row's largest key: phase 2's top
+                # (F4B > 0: its first step splits the values at F4A and F4B)
+                t, n_ge, n_gt, _t = kth_largest(key, k, low, k, WAYS, (F4B > 0) * 1, top, F4A, F4B, False)
+                sel = key >= t
+                if n_ge > k:  # ties at T
+                    eq = (key == t).to(tl.int32)
+                    sel = (key > t) | ((eq == 1) & (positions(eq) <= k - n_gt))
+                tl.store(orow + positions(sel.to(tl.int32)) - 1, (pbase + cols).to(tl.int32), mask=sel)
+                nsel = tl.minimum(n_ge, k)  # n_ge <= k: every visible cell
+            else:
+                # 4'. more than CAPG groups (long runs of equal scores): the same search,
+                # streaming the groups in blocks of SB >= CAPG (from L2)
+                lo = low.to(tl.int64)
+                hi = tl.max(gm).to(tl.int64) + 1
+                cnt_lo = k + 1  # count(key >= low) > k is all the loop needs
+                cnt_hi = tl.full((), 0, tl.int32)
+                while (hi - lo > 1) & (cnt_lo > k):
+                    m1, m2, m3, m4 = split5(lo, hi)
+                    c1 = tl.full((), 0, tl.int32)
+                    c2 = tl.full((), 0, tl.int32)
+                    c3 = tl.full((), 0, tl.int32)
+                    c4 = tl.full((), 0, tl.int32)
+                    for c0 in range(0, nc, SB):
+                        key, cols = candidate_keys(cbase, c0, sg, nc, srow, a0, tg, a, e, G, True)
+                        d1, d2, d3, d4 = count_ge4(key, m1, m2, m3, m4)
+                        c1 += d1
+                        c2 += d2
+                        c3 += d3
+                        c4 += d4
+                    lo, cnt_lo, hi, cnt_hi = narrow4(k, lo, cnt_lo, hi, cnt_hi, m1, c1, m2, c2, m3, c3, m4, c4)
+                t = lo.to(tl.int32)
+                need = k - cnt_hi  # keys equal to T to take (count(key > T) = cnt_hi)
+                n_out = tl.full((), 0, tl.int32)
+                n_eq = tl.full((), 0, tl.int32)
+                for c0 in range(0, nc, SB):
+                    key, cols = candidate_keys(cbase, c0, sg, nc, srow, a0, tg, a, e, G, True)
+                    eq = (key == t).to(tl.int32)
+                    sel = (key > t) | ((eq == 1) & (n_eq + positions(eq) <= need))
+                    si = sel.to(tl.int32)
+                    tl.store(orow + n_out + positions(si) - 1, (pbase + cols).to(tl.int32), mask=sel)
+                    n_out += tl.sum(si)
+                    n_eq += tl.sum(eq)
+                nsel = tl.full((), 0, tl.int32) + k
+        tl.store(orow + kofs, tl.full((KP,), -1, tl.int32), mask=(kofs >= nsel) & (kofs < k))
+
+
+
+#: What the last :func:`topk_ascending` launch used (registers, spills, programs per SM,
+#: constants), for the benchmarks.
+last_launch: dict = {}
+_occupancy: dict = {}
+
+
+def _resident(kernel, num_warps: int, smem_per_sm: int = 233472) -> int:
+    """Programs of ``kernel`` one SM holds at once, by registers, warps and shared memory
+    (``smem_per_sm`` bytes; each program also reserves 1 KiB)."""
+    try:
+        kernel._init_handles()
+        regs = max(int(kernel.n_regs), 1)
+        smem = int(getattr(kernel.metadata, "shared", 0) or 0)
+    except Exception:  # noqa: BLE001 - the interpreter or an older Triton: no register count
+        return 1
+    threads = 32 * num_warps
+    by_regs = 65536 // (-(-regs // 8) * 8 * threads)  # registers are allocated per warp in 256s
+    by_smem = smem_per_sm // (smem + 1024)
+    return max(1, min(by_regs, by_smem, 2048 // threads, 32))
+
+
+def topk_ascending(
+    scores: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    base: torch.Tensor,
+    k: int,
+    *,
+    tile: int | None = None,
+    num_warps: int | None = None,
+    programs: int | None = None,
+    capg: int | None = None,
+    ways: int = 3,
+    maxnreg: int | None = None,
+    vsteps: int | None = None,
+    split2: tuple[float, float] | None = None,
+    split4: tuple[float, float] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The exact Top-K of each row, in ascending column order.
+
+    Args:
+        scores: ``[R, W]`` float32 (unit column stride); cells outside ``[starts[r],
+            ends[r])`` are ignored, ``-inf`` cells are invisible.
+        starts, ends: ``[R]`` integer, the columns ``[start, end)`` of each row to consider
+            (clipped to ``[0, W)``).
+        base: ``[R]`` int64, global pool id of column 0 of each row.
+        k: pools to select (``1 <= k <= MAX_K``).
+        tile, num_warps, programs: launch configuration (columns per step, warps per
+            program, programs of the persistent grid). Defaults: ``num_warps`` so that the
+            candidate block is 16 cells per thread (4 to 16), ``tile`` 512 columns per warp,
+            and as many programs as the GPU holds at once (from the compiled kernel's
+            register count), at most one per row.
+        capg: capacity in candidate groups held in registers (a power of two >= k; default
+            the power of two ``>= k``); rows with more candidate groups stream them in blocks
+            of at least 256 groups (tests use a small ``capg`` to reach that path).
+        ways: thresholds counted per block reduction of the split searches of phases 2
+            and 4 (:func:`sp_kpool.kernels.triton_topk_search.kth_largest`), plus one (2, 3
+            or 5); the streamed path always uses 5.
+        maxnreg: register cap per thread passed to the compiler (more programs per SM,
+            some spilling); default 80 for up to 8 warps, else the compiler's choice; ``0``:
+            the compiler's choice.
+        vsteps: steps of phase 2's split search that split the bracket in value rather than
+            in key (``kth_largest``'s ``VSTEPS``; default ``_DEFAULT_VSTEPS``, 0: none; not
+            used with ``ways=5``). The answer does not depend on it.
+        split2, split4: ``(a, b)`` with ``0 < a < b < 1``, or ``()``: the first step of
+            phase 2's / phase 4's search splits the bracket's FP32 value range at these
+            fractions (``ways=2``: at ``a``) instead of evenly (phase 2, with ``vsteps``) or
+            in key (phase 4); defaults ``_DEFAULT_SPLIT2`` and ``_DEFAULT_SPLIT4``. The
+            answer does not depend on them.
+        out: optional ``[R, k]`` int32 destination with unit column stride (e.g. rows of
+            a larger output), every element overwritten; returned.
+
+    Returns:
+        ``[R, k]`` int32 global pool ids ``base[r] + column``, ascending, ``-1`` after the
+        ``min(k, visible)`` selected ones. The same ids as
+        :func:`sp_kpool.selection.topk_pools`, for any input (ties included).
+    """
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores: expected a 2-D float32 tensor, got {tuple(scores.shape)} {scores.dtype}")
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"k: expected 1 <= k <= {MAX_K}, got {k}")
+    if ways not in (2, 3, 5):
+        raise ValueError(f"ways: expected 2, 3 or 5, got {ways}")
+    vsteps = _DEFAULT_VSTEPS if vsteps is None else vsteps
+    if isinstance(vsteps, bool) or not isinstance(vsteps, int) or vsteps < 0:
+        raise ValueError(f"vsteps: expected an int >= 0, got {vsteps!r}")
+    split2 = _check_split("split2", _DEFAULT_SPLIT2 if split2 is None else split2)
+    split4 = _check_split("split4", _DEFAULT_SPLIT4 if split4 is None else split4)
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    R, W = scores.shape
+    dev = scores.device
+    if out is None:
+        out = torch.empty((R, k), dtype=torch.int32, device=dev)
+    elif (out.shape != (R, k) or out.dtype != torch.int32 or out.device != dev
+          or (k > 1 and out.stride(1) != 1)):  # fmt: skip
+        raise ValueError(f"out: expected an int32 tensor of shape {(R, k)} with unit column stride on {dev}, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())} on {out.device}")  # fmt: skip
+    if R == 0:
+        return out
+    capg_req = capg
+    warps = num_warps or _default_warps(W, k)
+    tile, group, ng, capg = _sizes(W, k, tile or 512 * warps, capg)
+    if capg < k:
+        raise ValueError(f"capg: expected at least k = {k}, got {capg_req}")
+    if capg * group > _MAX_BLOCK:
+        raise ValueError(
+            f"scores: rows of {W} columns with k = {k} need {capg} x {group} candidate cells, "
+            f"more than {_MAX_BLOCK} (see supports())"
+        )
+    if ng > _MAX_GROUPS:  # the searches count in 16-bit fields; phase 2 holds the maxima in registers
+        raise ValueError(
+            f"scores: rows of {W} columns make {ng} groups of {group} columns (tile {tile}), more than "
+            f"{_MAX_GROUPS} (see supports())"
+        )
+    # streamed candidate blocks: at least 256 groups (small k would make tiny blocks), within the block limit
+    sb = max(capg, min(256, _MAX_BLOCK // group))
+    consts = dict(TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), WAYS=ways, SB=sb, GL=max(group, 8),
+                  CW=max(ng, capg), num_warps=warps)  # fmt: skip
+    if vsteps and ways in (2, 3):
+        consts["VSTEPS"] = vsteps
+        if split2:
+            consts["F2A"], consts["F2B"] = split2
+    if split4 and ways in (2, 3):
+        consts["F4A"], consts["F4B"] = split4
+    maxnreg = _DEFAULT_MAXNREG if maxnreg is None and warps <= 8 else maxnreg
+    if maxnreg:
+        consts["maxnreg"] = maxnreg
+    # columns outside [0, W) do not exist: phase 1 reads and stores whole tiles up to the end
+    # without masks, and its tile arithmetic (a start's tile + tiles) stays within int32
+    starts = starts.to(device=dev, dtype=torch.int32).clamp(min=0, max=W).contiguous()
+    ends = ends.to(device=dev, dtype=torch.int32).clamp(max=W).contiguous()
+    base = base.to(device=dev, dtype=torch.int64).contiguous()
+    cut = _rows_in_storage(scores, -(-W // group) * group)
+    if cut > 0:
+        _launch(scores[:cut], starts[:cut], ends[:cut], base[:cut], out[:cut], consts, programs)
+    if cut < R:  # rows whose last group would be read past the storage: from a padded copy
+        rest = torch.nn.functional.pad(scores[cut:], (0, -W % group), value=-float("inf"))
+        _launch(rest, starts[cut:], ends[cut:], base[cut:], out[cut:], consts, programs)
+    return out
+
+
+def _check_split(name: str, split) -> tuple:
+    """``split`` as a tuple of two floats ``0 < a < b < 1``, or ``()`` (not used)."""
+    if split is None or split == () or split is False:
+        return ()
+    try:
+        a, b = (float(x) for x in split)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected two fractions (a, b) with 0 < a < b < 1, or (), got {split!r}") from None
+    if not 0 < a < b < 1:
+        raise ValueError(f"{name}: expected two fractions (a, b) with 0 < a < b < 1, or (), got {split!r}")
+    return a, b
+
+
+def _rows_in_storage(scores: torch.Tensor, span: int) -> int:
+    """How many leading rows of ``scores`` can be read for ``span`` columns (whole groups,
+    up to ``group - 1`` past the row's width) within the tensor's storage."""
+    R = scores.shape[0]
+    avail = scores.untyped_storage().nbytes() // scores.element_size() - scores.storage_offset()
+    if span > avail:
+        return 0
+    stride = scores.stride(0)
+    if stride == 0:  # every row is the same memory
+        return R
+    return min(R, (avail - span) // stride + 1)
+
+
+def _launch(scores, starts, ends, base, out, consts, programs):
+    R, k = out.shape
+    dev = scores.device
+    args = [scores, scores.stride(0), starts, ends, base, out, out.stride(0)]
+    if dev.type == "cuda":
+        key = (dev.index, tuple(sorted(consts.items())))
+        if key not in _occupancy:  # compile once per configuration (warmup costs host time)
+            compiled = select_kernel.warmup(*args, out, out, R, k, 1, grid=(1,), **consts)
+            props = torch.cuda.get_device_properties(dev)
+            # loads the binary: register counts known after
+            per_sm = _resident(compiled, consts["num_warps"], getattr(props, "shared_memory_per_multiprocessor", 233472))
+            _occupancy[key] = dict(regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
+                                   shared=getattr(compiled.metadata, "shared", None), per_sm=per_sm,
+                                   sms=props.multi_processor_count)  # fmt: skip
+        occ = _occupancy[key]
+        last_launch.update(occ)
+        if programs is None:
+            programs = occ["sms"] * occ["per_sm"]
+    progs = max(1, min(R, programs or 4))
+    last_launch.update(programs=progs, VSTEPS=consts.get("VSTEPS", 0),
+                       split2=(consts.get("F2A"), consts.get("F2B")) if "F2B" in consts else (),
+                       split4=(consts.get("F4A"), consts.get("F4B")) if "F4B" in consts else (),
+                       **{n: consts[n] for n in ("TILE", "G", "NG", "CAPG", "SB", "WAYS", "num_warps")})  # fmt: skip
+    gmax = torch.empty((progs, consts["NG"]), dtype=torch.int32, device=dev)
+    cand = torch.empty((progs, consts["CW"]), dtype=torch.int32, device=dev)
+    select_kernel[(progs,)](*args, gmax, cand, R, k, progs, **consts)
