@@ -47,7 +47,14 @@ import time
 
 import torch
 
-from sp_kpool.testing.bench import add_ratios, fit_row_cost, gather_into_tensor, one_line, summarize, write_outputs
+from sp_kpool.testing.bench import (
+    add_ratios,
+    fit_row_cost,
+    gather_into_tensor,
+    one_line,
+    summarize,
+    write_outputs,
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -65,7 +72,7 @@ def _csv(kind):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from sp_kpool.api import BALANCES, GATHERS
+    from sp_kpool.config import BALANCES, GATHERS
     from sp_kpool.precision import PRECISIONS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)

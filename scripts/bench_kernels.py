@@ -1,4 +1,4 @@
-"""Single-GPU benchmark of the GPU backends on the reference workload (SPEC 9).
+"""Single-GPU benchmark of the GPU backends on the reference workload (docs/measurements.md).
 
     python scripts/bench_kernels.py [--heads 32,64] [--total 131072] [--out DIR]
 
@@ -6,8 +6,9 @@ Workload: the rank-3 slice of a 4-rank split of one ``--total``-token document (
 32768 queries at positions 98304..131071 against 32768 pools), D 128, topk 2048, kpool 4.
 Reports, measured in the same run: the BF16 and FP8 matrix-product ceilings of this GPU;
 per stage (pool, score, select, expand) times of the tilelang (bf16) and deepgemm (fp8)
-backends (the whole call repeated, so the driver's table cache is warm, as for every layer
-after the first; also with the cache off, ``whole_table_cache_off``) with achieved TFLOP/s
+backends (the whole call: the pipeline's stages after the gather, ``sp_kpool.pipeline.solve``,
+repeated on one sequence, so its table cache is warm, as for every layer after the first;
+also with the cache off, ``whole_table_cache_off``) with achieved TFLOP/s
 (causal query-pool pairs only) and the fraction of the ceiling; DeepGEMM scoring alone
 (with and without its -inf cleaning of the cells outside the row ranges); torch.topk,
 LMDeploy's selector and the Triton exact selector on the same logits; the torch backend
@@ -19,7 +20,8 @@ sleep queued first, so the host's work overlaps it) and by ``triton.testing.do_b
 (calls queued back to back after an L2 flush: the host runs ahead too, as in a model's
 forward pass). The device idles during the sleep: on an H200 the host-ahead time of the
 H 32 call was 0.3-0.5 ms below the time of calls queued back to back
-(``benchmarks/results/2026-11-30-h200-s10``), so ``do_bench`` is the steady-state figure.
+(``benchmarks/results/h200-cu130-torch2.11/README.md``), so ``do_bench`` is the
+steady-state figure.
 DeepGEMM alone is timed cold and by ``do_bench``; the JSON holds the ratios of each pair.
 The timing helpers live in :mod:`sp_kpool.testing.bench`.
 
@@ -37,6 +39,7 @@ import time
 import torch
 
 from sp_kpool.backends import BACKENDS
+from sp_kpool.pipeline import solve
 from sp_kpool.pooling import pool_table
 from sp_kpool.selection import row_meta
 from sp_kpool.testing.bench import do_bench_ms as bench_do_bench
@@ -72,53 +75,53 @@ def causal_pairs(p):
 
 
 def staged(name, p, reps=5):
-    be = BACKENDS[name]
-    be.run(p)  # warm-up (JIT)
+    """The whole call (pipeline stages 3-8 on the gathered problem, :func:`solve`) of backend
+    ``name``: median ms, and the medians of its stages and of the other timings."""
+
+    def run(problem=p):
+        return solve(problem, name)
+
+    run()  # warm-up (JIT)
     torch.cuda.synchronize()
     stages: dict = {}
     for _ in range(reps):
         pt = dataclasses.replace(p, stage_times={})
-        be.run(pt)
+        run(pt)
         for k, v in pt.stage_times.items():
             stages.setdefault(k, []).append(v * 1e3)
-    whole = bench(lambda: be.run(p), reps=reps, warmup=1)
+    whole = bench(run, reps=reps, warmup=1)
     med = {k: sorted(v)[len(v) // 2] for k, v in stages.items()}
-    med["whole_host_ahead"], med["host_call_while_device_busy"] = bench_host_ahead(lambda: be.run(p), reps=reps)
-    med["whole_do_bench"] = bench_do_bench(lambda: be.run(p))
-    # "whole" repeats the call, so the driver's table cache is warm (as for every layer of
-    # a step after the first); the same call building its tables every time:
-    old = os.environ.get("SP_KPOOL_TABLE_CACHE")
-    os.environ["SP_KPOOL_TABLE_CACHE"] = "0"
-    try:
-        med["whole_table_cache_off"] = bench(lambda: be.run(p), reps=reps, warmup=1)
-    finally:
-        if old is None:
-            del os.environ["SP_KPOOL_TABLE_CACHE"]
-        else:
-            os.environ["SP_KPOOL_TABLE_CACHE"] = old
+    med["whole_host_ahead"], med["host_call_while_device_busy"] = bench_host_ahead(run, reps=reps)
+    med["whole_do_bench"] = bench_do_bench(run)
+    # "whole" repeats the call on one sequence, so its table cache is warm (as for every
+    # layer of a step after the first); the same call building its tables every time:
+    uncached = dataclasses.replace(p, settings=p.settings.replace(table_cache=False))
+    med["whole_table_cache_off"] = bench(lambda: run(uncached), reps=reps, warmup=1)
     return whole, med
 
 
 def deepgemm_chunked(p, fn, q8, wq, kv):
-    """DeepGEMM alone, as the driver calls it: the same chunk grid and row ranges
-    (``stage_tables``, ``row_ranges_torch``), zero rows around the rows of partial chunks
-    (the driver's views of its padded buffer hold the same values), the same kv slices
+    """DeepGEMM alone, as the pipeline calls it: the same chunk plan and row ranges
+    (:func:`sp_kpool.plan.plan_chunks`), zero rows around the rows of partial chunks (the
+    pipeline's views of its padded buffer hold the same values), the same kv slices
     (inputs built outside the timing), ``clean_logits=False``."""
-    from sp_kpool.backends.base import pad_rows, row_ranges_torch, stage_tables
+    from sp_kpool.pipeline import num_pools
+    from sp_kpool.plan import pad_rows, plan_chunks
 
     be = BACKENDS["deepgemm"]
     seq = p.seq
     lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    st = stage_tables(be, p, lo_row, hi_row)
-    ranges = row_ranges_torch(st.cu, st.offs, st.bounds, lo_row, hi_row, st.grid[0][0], st.C, p.kpool)
+    C = be.chunk_rows(p, num_pools(seq, p.kpool))
+    plan = plan_chunks(seq, p.kpool, C, lo_row, hi_row, p.device, cache=False)
     calls = []
-    for i, (g0, g1, lo, hi) in enumerate(st.grid):
-        a, b = max(g0, lo_row), min(g1, hi_row)
-        qc = pad_rows(q8[a - lo_row : b - lo_row], a - g0, g0 + st.C - b)
-        wc = pad_rows(wq[a - lo_row : b - lo_row], a - g0, g0 + st.C - b)
-        shift = lo % 4  # as DeepGemmBackend.score_prepared: kv slices start at a multiple of 4 pools
-        ks, ke = ranges[0, i * st.C : (i + 1) * st.C] + shift, ranges[1, i * st.C : (i + 1) * st.C] + shift
-        calls.append((qc, (kv[0][lo - shift : hi], kv[1][lo - shift : hi]), wc, ks, ke))
+    for c in plan.chunks:
+        a, b = max(c.first, lo_row), min(c.end, hi_row)
+        qc = pad_rows(q8[a - lo_row : b - lo_row], a - c.first, c.first + C - b)
+        wc = pad_rows(wq[a - lo_row : b - lo_row], a - c.first, c.first + C - b)
+        shift = c.pool_lo % 4  # as DeepGemmBackend.score: kv slices start at a multiple of 4 pools
+        rs = plan.ranges[:, c.index * C : (c.index + 1) * C]
+        calls.append((qc, (kv[0][c.pool_lo - shift : c.pool_hi], kv[1][c.pool_lo - shift : c.pool_hi]), wc,
+                      rs[0] + shift, rs[1] + shift))  # fmt: skip
 
     def run():
         for c in calls:
@@ -135,7 +138,7 @@ def tune(args):
     for H in [int(h) for h in args.heads.split(",")]:
         p = rank_slice_problem(args.total, 4, 3, heads=H, head_dim=128, topk=2048, seed=H)
         st, offs = pool_table(p.seq.real_cu_seq_lens, 4)
-        pooled = BACKENDS["tilelang"].pool(p, st.cuda())
+        pooled = BACKENDS["tilelang"].pools(p, st.cuda()).keys
         m = row_meta(torch.arange(p.seq.shard_start, p.seq.shard_end), p.seq.real_cu_seq_lens, offs, 4)
         s, e = m.pool_lo.int().cuda(), m.pool_hi.int().cuda()
         w = p.head_weights.float() * (H**-0.5 * 128**-0.5)
@@ -231,7 +234,9 @@ def main():
                 logits = fn(q8, (k8, ks), wq, s, e, clean_logits=True)[:, : k8.shape[0]]
                 row["torch_topk_520_ms"] = bench(lambda: torch.topk(logits, 520, dim=-1), reps=5)
                 try:
-                    from lmdeploy.pytorch.kernels.cuda.sparse_index_topk import sparse_index_topk
+                    from lmdeploy.pytorch.kernels.cuda.sparse_index_topk import (
+                        sparse_index_topk,
+                    )
 
                     qlen = torch.ones(logits.shape[0], dtype=torch.int32, device="cuda")
                     kvlen = e.clone()
@@ -257,7 +262,7 @@ def main():
                 for _ in range(2):  # the first call also pays one-time allocations
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    BACKENDS["torch"].run(dataclasses.replace(p, max_logits_bytes=4 << 30))
+                    solve(dataclasses.replace(p, config=p.config.replace(max_logits_bytes=4 << 30)), "torch")
                     torch.cuda.synchronize()
                     runs.append((time.perf_counter() - t0) * 1e3)
                 row["torch_backend_runs_ms"] = runs

@@ -5,13 +5,12 @@
 A model's forward pass queues layer after layer ahead of the device; a call that makes the
 host wait for the device (a copy from pageable memory, a ``.item()``) leaves the device idle
 while the host queues the rest. This script queues a ~20 ms device sleep, then times on the
-host the steps of the driver (query preparation, pool table, staged tables, pooling: the
-backend's hooks called one by one, where the deepgemm driver makes the preparation and the
-pooling one launch, ``pool_and_prepare``) and a whole call on the reference workload (rank
-3 of 4 x 32768 tokens, D 128, topk 2048). A step that takes about as long as the sleep
-waited for the device. ``stage_tables`` is timed building its tables (the driver's table
-cache is cleared first); the whole call that follows finds them cached, as every layer
-after the first does.
+host the steps of the pipeline (the plan: host arithmetic and one copy; the backend's
+``prepare`` of the pools and the queries, one launch for deepgemm) and a whole call
+(stages 3-8, ``sp_kpool.pipeline.solve``) on the reference workload (rank 3 of 4 x 32768
+tokens, D 128, topk 2048). A step that takes about as long as the sleep waited for the
+device. The plan is timed building its tables (the sequence's table cache is cleared
+first); the whole call that follows finds them cached, as every layer after the first does.
 
 Runs with the package installed (``pip install -e .`` from the repository root).
 """
@@ -25,8 +24,9 @@ import time
 import torch
 
 from sp_kpool.backends import BACKENDS
-from sp_kpool.backends.base import clear_table_cache, stage_tables
-from sp_kpool.pooling import pool_table
+from sp_kpool.backends.base import PoolInputs, QueryInputs
+from sp_kpool.pipeline import num_pools, solve
+from sp_kpool.plan import plan_chunks
 from sp_kpool.testing.problems import reference_slice_problem
 
 
@@ -40,31 +40,29 @@ def main():
     args = ap.parse_args()
     p = reference_slice_problem(args.heads, args.precision, total=args.total, seed=args.heads)
     be = BACKENDS[args.backend]
-    be.run(p)
+    solve(p, args.backend)
     torch.cuda.synchronize()
     lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
-    steps = ("prepare_queries", "pool_table", "stage_tables", "pool", "whole_call", "then_synchronize")
+    steps = ("plan", "prepare", "whole_call", "then_synchronize")
     rows = []
     for _ in range(args.reps):
         torch.cuda._sleep(40_000_000)  # ~20 ms on an H200
         t = [time.perf_counter()]
-        be.prepare_queries(p, p.q[: hi - lo], p.head_weights[: hi - lo])
+        p.seq.tables.clear()
+        plan = plan_chunks(p.seq, p.kpool, be.chunk_rows(p, num_pools(p.seq, p.kpool)), lo, hi, p.device)
         t.append(time.perf_counter())
-        tables = pool_table(p.seq.real_cu_seq_lens, p.kpool)
-        clear_table_cache()
+        before, after = plan.padding()
+        be.prepare(p, PoolInputs(p.k, p.gates, plan.pool_tok_start),
+                   QueryInputs(p.q[: hi - lo], p.head_weights[: hi - lo], lo, before, after))  # fmt: skip
         t.append(time.perf_counter())
-        st = stage_tables(be, p, lo, hi)
-        t.append(time.perf_counter())
-        be.pool(p, st.pool_tok_start)
-        t.append(time.perf_counter())
-        be.run(p)
+        solve(p, args.backend)
         t.append(time.perf_counter())
         torch.cuda.synchronize()
         t.append(time.perf_counter())
         rows.append({s: round((t[i + 1] - t[i]) * 1e3, 3) for i, s in enumerate(steps)})
         print(json.dumps(rows[-1]), flush=True)
     # the pinned staging buffer alone
-    n = tables[0].numel() + 64
+    n = plan.num_pools + 64
     t0 = time.perf_counter()
     for _ in range(20):
         torch.empty(n, dtype=torch.int64, pin_memory=True)

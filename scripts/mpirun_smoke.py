@@ -22,10 +22,9 @@ from datetime import timedelta
 
 
 def main() -> int:
-    from mpi4py import MPI
-
     import torch
     import torch.distributed as dist
+    from mpi4py import MPI
 
     from sp_kpool.testing.rank_checks import sharded_vs_world1
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
 from sp_kpool.backends import BACKENDS
+from sp_kpool.pipeline import solve
 from sp_kpool.testing.problems import reference_slice_problem
 
 
@@ -36,16 +36,16 @@ def main():
     p = reference_slice_problem(args.heads, args.precision, total=args.total, seed=1)
     be = BACKENDS[args.backend]
     for _ in range(2):
-        be.run(p)
+        solve(p, be.name)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    be.run(p)
+    solve(p, be.name)
     torch.cuda.synchronize()
     print(f"one call: {(time.perf_counter() - t0) * 1e3:.1f} ms wall", flush=True)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         with torch.profiler.record_function("indexer_call"):
-            be.run(p)
+            solve(p, be.name)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))

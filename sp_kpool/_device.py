@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["to_device"]
+__all__ = ["to_device", "on_gpu"]
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -20,3 +20,10 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu":
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t).to(device, non_blocking=True)
     return t.to(device)
+
+
+def on_gpu(device: torch.device | str) -> bool:
+    """Whether tensors on ``device`` take the GPU code paths (the Triton kernels and the CUDA
+    selectors): a CUDA device. The one predicate for it, so that a CPU test can run those
+    host paths with the kernels in Triton's interpreter (:mod:`sp_kpool.testing.standins`)."""
+    return torch.device(device).type == "cuda"

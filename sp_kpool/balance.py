@@ -13,7 +13,7 @@ rank still *owns* (receives inputs for, and returns output for) its contiguous s
                        selected pool ids:      computer -> owner (point to point)
     owner              expands the pools, adds the tail, lays out its own rows
 
-Work of a row (SPEC 4): its number of visible pools ``(j + 1) // K`` (zero in the padding
+Work of a row (contract, causality): its number of visible pools ``(j + 1) // K`` (zero in the padding
 document), plus a per-row constant ``row_cost`` (:data:`ROW_COST` unless the backend sets
 ``balance_row_cost`` or the caller passes ``balance_row_cost``), counted per document. The
 constant is the backend's fixed cost of a row in units of one (row, pool) score: small for
@@ -27,8 +27,7 @@ size, shard size, block), so every rank computes the same partition and the same
 without communicating. It is declined (the contiguous split is kept, nothing moves) when it
 would not lower the maximum work of a rank.
 
-Bitwise equality: the scoring driver (:func:`sp_kpool.backends.base.select_rows`) scores
-on a global chunk grid, so a row's selection does not depend on which rank computes it;
+Bitwise equality: the pipeline scores on a global chunk grid (:mod:`sp_kpool.plan`), so a row's selection does not depend on which rank computes it;
 the owner expands and lays out exactly as the unbalanced path does.
 """
 
@@ -36,13 +35,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from ._device import to_device
-from .comm import CommStats, exchange_rows, pack_rows, unpack_rows
-from .selection import assemble, output_width, row_meta
+from .checks import check_int
+from .comm import exchange_rows, pack_rows, unpack_rows
 
 __all__ = [
     "ROW_COST",
@@ -50,7 +47,8 @@ __all__ = [
     "causal_partition",
     "contiguous_partition",
     "row_work_prefix",
-    "balanced_select",
+    "move_queries",
+    "route_pools",
 ]
 
 #: Default per-row constant of the work model, in units of one (row, pool) score: a row's
@@ -173,8 +171,7 @@ def _partition_cached(
 
 def _check_args(cu_seq_lens, **ints) -> tuple[int, ...]:
     for name, (v, lo) in ints.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+        check_int(name, v, lo)
     cu = tuple(int(v) for v in torch.as_tensor(cu_seq_lens).tolist())
     world_size, shard_size = ints["world_size"][0], ints["shard_size"][0]
     if cu[-1] > world_size * shard_size:
@@ -233,8 +230,10 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return (lo, max(lo, hi))
 
 
-def _move_queries(problem, own, comp, stats):
-    """Queries and raw head weights of the compute range, gathered from their owners.
+def move_queries(problem, own, comp, stats=None):
+    """Queries and raw head weights of this rank's compute range, from their owners.
+
+    ``own`` and ``comp``: per rank, the owned and the computed ``(lo, hi)`` real rows.
 
     Each owner sends the rows of its shard that another rank computes, packed as bytes
     (one message per pair of ranks, all in one ``batch_isend_irecv``)."""
@@ -271,7 +270,7 @@ def _move_queries(problem, own, comp, stats):
     return torch.cat(q_parts), torch.cat(w_parts)
 
 
-def _route_pools(problem, pools, own, comp, stats):
+def route_pools(problem, pools, own, comp, stats=None):
     """The selected pools ``[n, topk // K]`` of this rank's own rows, from their computers
     (sent as int32, in one ``batch_isend_irecv``)."""
     seq, device = problem.seq, problem.device
@@ -295,50 +294,3 @@ def _route_pools(problem, pools, own, comp, stats):
         if b > a:
             mine.append(pools[a - c_lo : b - c_lo] if peer == me else got[peer].to(pools.dtype))
     return torch.cat(mine)
-
-
-def balanced_select(
-    backend: Any,
-    problem: Any,
-    pooled: Any,
-    tables: tuple[torch.Tensor, torch.Tensor],
-    part: CausalPartition,
-    *,
-    stats: CommStats | None = None,
-) -> torch.Tensor:
-    """This rank's output ``[S_local, W]`` int32 under the compute ranges of ``part``.
-
-    1. Queries and raw head weights move from the owning rank to the computing rank (one
-       ``batch_isend_irecv``; each row moves once, directly, possibly several ranks away).
-    2. The computing rank selects pools for its range with ``select_rows``.
-    3. The selected pool ids (int32) move back to the owner (one ``batch_isend_irecv``).
-    4. The owner expands, adds the tail and lays out its own rows (``assemble``).
-
-    Stages timed into ``problem.stage_times`` (when set): ``balance_exchange``, ``score``
-    and ``select`` (by ``select_rows``), ``balance_route``, ``expand``.
-    """
-    from .backends.base import select_rows, stage
-
-    seq, kpool, device = problem.seq, problem.kpool, problem.device
-    R, ss, n_real = seq.world_size, seq.shard_size, seq.num_real_tokens
-    if tables[0].numel() >= 2**31:
-        raise ValueError(f"balance: at most 2**31 - 1 pools supported, got {tables[0].numel()}")
-    own = [(min(r * ss, n_real), min((r + 1) * ss, n_real)) for r in range(R)]
-    comp = [(part.bounds[r], part.bounds[r + 1]) for r in range(R)]
-    with stage(problem, "balance_exchange"):
-        q_comp, w_comp = _move_queries(problem, own, comp, stats)
-    c_lo, c_hi = comp[seq.rank]
-    pools = select_rows(backend, problem, pooled, c_lo, c_hi, q_comp, w_comp)
-    with stage(problem, "balance_route"):
-        mine = _route_pools(problem, pools, own, comp, stats)
-    width = output_width(problem.topk, kpool, problem.alignment)
-    out = torch.full((ss, width), -1, dtype=torch.int32, device=device)
-    a, b = own[seq.rank]
-    if b > a:
-        with stage(problem, "expand"):
-            meta = row_meta(torch.arange(a, b, device=device), seq.real_cu_seq_lens, tables[1], kpool)
-            out[: b - a] = assemble(
-                mine, meta, to_device(tables[0], device), topk=problem.topk, kpool=kpool,
-                tail=problem.tail, order=problem.order, alignment=problem.alignment, presorted=True,
-            )  # fmt: skip
-    return out

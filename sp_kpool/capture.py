@@ -1,7 +1,7 @@
 """Capture the inputs of a live ``KPoolIndexer`` call to a ``safetensors`` file, and read it back.
 
 Opt-in, per rank, no communication. Enable it with ``KPoolIndexer(..., capture_dir=DIR)``,
-with ``$SP_KPOOL_CAPTURE_DIR`` (read when the module is built), or on a live module with
+with ``$SP_KPOOL_CAPTURE_DIR`` (:mod:`sp_kpool.settings`), or on a live module with
 :func:`enable`. A module without capture pays one attribute test per call; a capturing
 call records *after* computing its result, so the result is unchanged.
 
@@ -19,9 +19,11 @@ One file per rank and captured call::
     metadata (str -> str): format ``sp_kpool.capture/1``, rank, world_size, shard_start,
     shard_size, num_padding, topk, kpool, heads, tail, order, alignment, max_logits_bytes
     (resolved), precision, backend (requested) and backend_resolved, device, autocast
-    (``off`` or the dtype), tag, call, source, versions, ``options`` (JSON: every option
-    the module passed to ``kpool_topk``), and ``crc32``: a JSON object with the CRC-32 of
-    every tensor's bytes (so a flipped byte is reported, not replayed).
+    (``off`` or the dtype), tag, call, source, versions, ``config`` and ``options`` (JSON:
+    the resolved :class:`~sp_kpool.config.KPoolConfig` and the
+    :class:`~sp_kpool.config.RunOptions`, whole: a replay rebuilds exactly what ran), and
+    ``crc32``: a JSON object with the CRC-32 of every tensor's bytes (so a flipped byte is
+    reported, not replayed).
 
 Several ranks: each file holds **only its own rows**. Replaying rank ``r`` needs the keys
 and gates of the whole sequence, so the replay reads all ``W`` files of the call (same
@@ -51,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ._env import env_int
+from .checks import check_int
 
 __all__ = [
     "CaptureError",
@@ -59,8 +61,6 @@ __all__ = [
     "Capture",
     "FORMAT",
     "PARAM_NAMES",
-    "ENV_DIR",
-    "ENV_CALLS",
     "hook_for",
     "enable",
     "capture_path",
@@ -70,10 +70,6 @@ __all__ = [
 ]
 
 FORMAT = "sp_kpool.capture/1"
-#: Directory that turns capture on for every ``KPoolIndexer`` built afterwards.
-ENV_DIR = "SP_KPOOL_CAPTURE_DIR"
-#: Forward calls captured per module (default 1).
-ENV_CALLS = "SP_KPOOL_CAPTURE_CALLS"
 #: The seven checkpoint tensors, stored as ``param.<name>``.
 PARAM_NAMES = (
     "wq_b.weight",
@@ -187,8 +183,7 @@ class CaptureHook:
     """
 
     def __init__(self, directory: str | os.PathLike, calls: int = 1, tag: str | None = None) -> None:
-        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
-            raise ValueError(f"calls: expected an int >= 0, got {calls!r}")
+        check_int("calls", calls, 0)
         if tag is not None and (not tag or "/" in tag or os.sep in tag):
             raise ValueError(f"tag: expected a non-empty file-name fragment, got {tag!r}")
         self.directory = Path(directory)
@@ -202,36 +197,32 @@ class CaptureHook:
         return f"CaptureHook({str(self.directory)!r}, calls={self.calls}, tag={self.tag!r}, done={self.done})"
 
     @torch.no_grad()
-    def __call__(self, module, hidden, q_resid, seq, precision: str, prepared: dict, ids: torch.Tensor) -> Path | None:
+    def __call__(self, module, hidden, q_resid, seq, config, prepared: dict, ids: torch.Tensor) -> Path | None:
         if self.done >= self.calls:
             return None
         from .backends import Problem, resolve_backend
-        from .backends.base import default_max_logits_bytes
 
-        opts = module.options
-        mlb = opts.get("max_logits_bytes")
-        mlb = default_max_logits_bytes(hidden.device) if mlb is None else mlb
-        problem = Problem(
-            **prepared, seq=seq, topk=module.index_topk, kpool=module.index_kpool, tail=opts["tail"],
-            order=opts["order"], alignment=opts["alignment"], max_logits_bytes=mlb, precision=precision,
-        )  # fmt: skip
+        config = config.resolve(module.settings, hidden.device)
+        options = module.options
+        problem = Problem(**prepared, seq=seq, config=config, settings=module.settings)
         meta = {
-            "topk": module.index_topk,
-            "kpool": module.index_kpool,
+            "topk": config.topk,
+            "kpool": config.kpool,
             "heads": module.n_heads,
-            "tail": opts["tail"],
-            "order": opts["order"],
-            "alignment": opts["alignment"],
-            "max_logits_bytes": mlb,
-            "precision": precision,
-            "backend": opts["backend"],
-            "backend_resolved": resolve_backend(opts["backend"], problem).name,
+            "tail": config.tail,
+            "order": config.order,
+            "alignment": config.alignment,
+            "max_logits_bytes": config.max_logits_bytes,
+            "precision": config.precision,
+            "backend": options.backend,
+            "backend_resolved": resolve_backend(options.backend, problem).name,
             "device": str(hidden.device),
             "autocast": _autocast_state(hidden.device),
             "tag": self.tag,
             "call": self.done,
             "source": self.source,
-            "options": json.dumps(opts, sort_keys=True, default=str),  # every kpool_topk option, as called
+            "config": json.dumps(config.record(), sort_keys=True),  # the resolved KPoolConfig, whole
+            "options": json.dumps(options.record(), sort_keys=True),  # the RunOptions, whole
         }
         params = dict(module.state_dict())
         path = capture_path(self.directory, self.tag, self.done, seq.rank, seq.world_size)
@@ -241,15 +232,19 @@ class CaptureHook:
         return path
 
 
-def hook_for(directory: str | os.PathLike | None) -> CaptureHook | None:
-    """The hook a new module gets: ``directory`` if given, else ``$SP_KPOOL_CAPTURE_DIR``,
-    else ``None`` (no capture). ``$SP_KPOOL_CAPTURE_CALLS`` sets the number of calls."""
+def hook_for(directory: str | os.PathLike | None, settings=None) -> CaptureHook | None:
+    """The hook a new module gets: ``directory`` if given, else ``settings.capture_dir``
+    (``$SP_KPOOL_CAPTURE_DIR``), else ``None`` (no capture); ``settings.capture_calls``
+    (``$SP_KPOOL_CAPTURE_CALLS``) sets the number of calls. ``settings``: the process
+    settings when ``None``."""
+    from .settings import current_settings
+
+    settings = settings if settings is not None else current_settings()
     if directory is None:
-        directory = os.environ.get(ENV_DIR, "").strip() or None
+        directory = settings.capture_dir
         if directory is None:
             return None
-    calls = env_int(ENV_CALLS, minimum=0, expected="a non-negative integer")
-    return CaptureHook(directory, 1 if calls is None else calls)
+    return CaptureHook(directory, settings.capture_calls)
 
 
 def enable(module, directory: str | os.PathLike | None, calls: int = 1, tag: str | None = None) -> CaptureHook | None:
@@ -298,18 +293,31 @@ class Capture:
             )
         return seq
 
-    def indexer(self, device: torch.device | str = "cpu"):
-        """A ``KPoolIndexer`` with the captured parameters (dtypes kept) and options."""
-        from .indexer import KPoolIndexer
+    def config(self):
+        """The call's :class:`~sp_kpool.config.KPoolConfig`, resolved, as it ran."""
+        from .config import KPoolConfig
 
         m = self.meta
+        return KPoolConfig(topk=m["topk"], kpool=m["kpool"], tail=m["tail"], order=m["order"], alignment=m["alignment"],
+                           precision=m["precision"], max_logits_bytes=m["max_logits_bytes"])  # fmt: skip
+
+    def options(self):
+        """The call's :class:`~sp_kpool.config.RunOptions` (the backend as requested)."""
+        from .config import RunOptions
+
+        return RunOptions.from_record({**self.meta["options"], "backend": self.meta["backend"]})
+
+    def indexer(self, device: torch.device | str = "cpu"):
+        """A ``KPoolIndexer`` with the captured parameters (dtypes kept), config and options."""
+        from .indexer import KPoolIndexer
+
+        m, cfg, opts = self.meta, self.config(), self.options()
         wq, wk = self.params["wq_b.weight"], self.params["wk.weight"]
         mod = KPoolIndexer(
             hidden_size=wk.shape[1], q_lora_rank=wq.shape[1], index_n_heads=m["heads"],
-            index_head_dim=wk.shape[0], index_topk=m["topk"], index_kpool=m["kpool"],
-            backend=m["backend"], tail=m["tail"], order=m["order"], alignment=m["alignment"],
-            max_logits_bytes=m["max_logits_bytes"], precision=m["precision"], device="meta",
-            capture_dir=None,
+            index_head_dim=wk.shape[0], index_topk=cfg.topk, index_kpool=cfg.kpool,
+            tail=cfg.tail, order=cfg.order, alignment=cfg.alignment, max_logits_bytes=cfg.max_logits_bytes,
+            precision=cfg.precision, device="meta", capture_dir=None, **opts.record(),
         )  # fmt: skip
         mod._capture = None  # never re-capture a replay, whatever the environment says
         mod.load_state_dict({n: t.to(device) for n, t in self.params.items()}, strict=True, assign=True)
@@ -363,7 +371,13 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
         meta[k] = raw_meta[k]
     for k in ("sp_kpool", "torch"):
         meta[k] = raw_meta.get(k, "?")
-    meta["options"] = raw_meta.get("options", "{}")
+    try:
+        options = json.loads(raw_meta.get("options", "{}"))
+        if not isinstance(options, dict):
+            raise ValueError
+    except ValueError:
+        raise _fail(path, f"metadata 'options': expected a JSON object, got {raw_meta['options'][:80]!r}") from None
+    meta["options"] = options
     try:
         crc = {str(k): int(v) for k, v in json.loads(raw_meta["crc32"]).items()}
     except (ValueError, TypeError, AttributeError):

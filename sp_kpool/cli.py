@@ -18,9 +18,19 @@ def _cmd_info(args) -> int:
     from . import __version__
     from .backends import BACKENDS
     from .backends.base import Problem
+    from .config import KPoolConfig
+    from .settings import Settings, current_settings
     from .sharding import ShardedSequence
 
     print(f"sp_kpool {__version__}, torch {torch.__version__}, python {platform.python_version()}")
+    try:
+        settings = current_settings()
+    except ValueError as exc:  # a bad variable: say which, then show the rest as defaults
+        print(f"settings: {exc}")
+        settings = Settings()
+    print("settings (read once per process from the environment):")
+    for var, value, source in settings.describe():
+        print(f"  {var:<28} {value:<40} {source}")
     cuda = torch.cuda.is_available()
     print(f"cuda: {torch.cuda.get_device_name(0) if cuda else 'not available'}")
     dev = torch.device("cuda" if cuda else "cpu")
@@ -33,8 +43,7 @@ def _cmd_info(args) -> int:
             p = Problem(
                 q=z(8, H, D, dtype=torch.bfloat16, device=dev), head_weights=z(8, H, device=dev),
                 k=z(8, D, dtype=torch.bfloat16, device=dev), gates=z(8, D, device=dev), ape=z(K, D, device=dev),
-                seq=seq, topk=8, kpool=K, tail="fixed", order="ascending", alignment=1,
-                max_logits_bytes=1 << 20, precision=precision,
+                seq=seq, config=KPoolConfig(topk=8, kpool=K, precision=precision, max_logits_bytes=1 << 20),
             )  # fmt: skip
             why = b.not_supported_reasons(p)
             state = "available" if not why else "unavailable: " + "; ".join(why)
@@ -81,7 +90,14 @@ def _demo_rank(rank, world_size, lengths, args):
 def _cmd_parity(args) -> int:
     import tempfile
 
-    from .parity import Arm, format_table, make_synthetic_capture, replay, stderr_progress, write_outputs
+    from .parity import (
+        Arm,
+        format_table,
+        make_synthetic_capture,
+        replay,
+        stderr_progress,
+        write_outputs,
+    )
 
     progress = None if args.quiet else stderr_progress
     try:

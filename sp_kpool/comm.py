@@ -3,7 +3,7 @@
 Only two things cross ranks in the gather-keys path: the keys and gates (all-gathered
 before pooling, because a pool may straddle a shard seam) and a tiny validation vector
 (so that bad input fails on every rank alike, before any data collective, never hangs).
-The gather-pools path (:mod:`sp_kpool.seams`) and the causal balance
+The gather-pools path (:mod:`sp_kpool.pool_gather`) and the causal balance
 (:mod:`sp_kpool.balance`) add point-to-point row exchanges (:func:`exchange_rows`) and an
 all-gather of unequal row counts (:func:`all_gather_uneven_rows`).
 

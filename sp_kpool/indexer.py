@@ -20,8 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import capture as _capture_mod
-from .api import kpool_topk
+from . import pipeline
+from .checks import check_int
+from .config import KPoolConfig, RunOptions
 from .precision import SERVING_PRECISIONS, resolve_precision
+from .settings import Settings, current_settings
 from .sharding import ShardedSequence
 
 __all__ = ["KPoolIndexer"]
@@ -33,17 +36,23 @@ class KPoolIndexer(nn.Module):
     Args:
         hidden_size, q_lora_rank, index_n_heads (``H``), index_head_dim (``D``),
         index_topk (``T``), index_kpool (``K``): as in the model config.
-        precision: ``"bf16"``, ``"bf16-serving"`` or ``"fp8"`` (default
-            ``$SP_KPOOL_PRECISION``, read once); it decides both the preparation (key norm
+        precision: ``"bf16"``, ``"bf16-serving"`` or ``"fp8"`` (default: the settings'
+            precision, ``$SP_KPOOL_PRECISION``); it decides both the preparation (key norm
             and head gate in FP32 with autocast off in the serving modes) and the selection
             arithmetic, from one resolution per call.
-        backend, tail, order, alignment, max_logits_bytes, gather, balance, balance_block,
-        balance_row_cost: passed to ``kpool_topk`` (see there; none changes an output bit).
+        tail, order, alignment, max_logits_bytes: the rest of the call's
+            :class:`~sp_kpool.config.KPoolConfig` (see ``kpool_topk``).
+        backend, gather, balance, balance_block, balance_row_cost: its
+            :class:`~sp_kpool.config.RunOptions` (none changes an output bit).
         device, dtype: of the parameters.
         capture_dir: record the inputs of the first forward call(s) to ``safetensors`` files
-            in this directory, one per rank (default ``$SP_KPOOL_CAPTURE_DIR``, read here;
-            unset: no capture). See :mod:`sp_kpool.capture`; replay with
-            ``python -m sp_kpool parity``.
+            in this directory, one per rank (default ``settings.capture_dir``,
+            ``$SP_KPOOL_CAPTURE_DIR``; unset: no capture). See :mod:`sp_kpool.capture`;
+            replay with ``python -m sp_kpool parity``.
+        settings: the process settings (default: read once from the environment).
+
+    Attributes ``config`` (:class:`~sp_kpool.config.KPoolConfig`) and ``options``
+    (:class:`~sp_kpool.config.RunOptions`) hold the call settings, validated here.
     """
 
     def __init__(
@@ -68,6 +77,7 @@ class KPoolIndexer(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         capture_dir: str | None = None,
+        settings: Settings | None = None,
     ) -> None:
         super().__init__()
         for name, v in (
@@ -78,23 +88,18 @@ class KPoolIndexer(nn.Module):
             ("index_topk", index_topk),
             ("index_kpool", index_kpool),
         ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+            check_int(name, v, 1)
         if index_topk % index_kpool:
             raise ValueError(f"index_topk: expected a multiple of index_kpool = {index_kpool}, got {index_topk}")
-        if precision is not None:
-            resolve_precision(precision)
-        self.precision = precision
+        self.settings = settings if settings is not None else current_settings()
+        self.config = KPoolConfig(topk=index_topk, kpool=index_kpool, tail=tail, order=order, alignment=alignment,
+                                  precision=precision, max_logits_bytes=max_logits_bytes)  # fmt: skip
+        self.options = RunOptions(backend=backend, gather=gather, balance=balance, balance_block=balance_block,
+                                  balance_row_cost=balance_row_cost)  # fmt: skip
         fk = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.n_heads = index_n_heads
         self.head_dim = index_head_dim
-        self.index_topk = index_topk
-        self.index_kpool = index_kpool
-        self.options = dict(
-            backend=backend, tail=tail, order=order, alignment=alignment, max_logits_bytes=max_logits_bytes,
-            gather=gather, balance=balance, balance_block=balance_block, balance_row_cost=balance_row_cost,
-        )  # fmt: skip
         self.wq_b = nn.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False, **fk)
         self.wk = nn.Linear(hidden_size, index_head_dim, bias=False, **fk)
         self.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6, **fk)
@@ -102,7 +107,20 @@ class KPoolIndexer(nn.Module):
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(index_kpool, index_head_dim, **fk))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(index_head_dim, hidden_size, **fk))
         self.requires_grad_(False)
-        self._capture = _capture_mod.hook_for(capture_dir)  # None: no capture, no cost
+        self._capture = _capture_mod.hook_for(capture_dir, self.settings)  # None: no capture, no cost
+
+    @property
+    def precision(self) -> str | None:
+        """The configured precision (``None``: the settings' default)."""
+        return self.config.precision
+
+    @property
+    def index_topk(self) -> int:
+        return self.config.topk
+
+    @property
+    def index_kpool(self) -> int:
+        return self.config.kpool
 
     @torch.no_grad()
     def prepare(
@@ -128,7 +146,7 @@ class KPoolIndexer(nn.Module):
             raise ValueError(
                 f"q_resid: expected {hidden.shape[0]} rows (as hidden), got {q_resid.shape[0]}"
             )
-        precision = resolve_precision(self.precision if precision is None else precision)
+        precision = resolve_precision(self.precision if precision is None else precision, self.settings)
         q = self.wq_b(q_resid).view(q_resid.shape[0], self.n_heads, self.head_dim)
         gates = F.linear(hidden, self.index_kpool_compress_gate)
         if precision in SERVING_PRECISIONS:
@@ -150,16 +168,9 @@ class KPoolIndexer(nn.Module):
         ``hidden`` ``[S_local, hidden_size]`` and ``q_resid`` ``[S_local, q_lora_rank]`` are
         this rank's rows of the packed sequence described by ``seq``.
         """
-        precision = resolve_precision(self.precision)  # one resolution: preparation and selection
-        prepared = self.prepare(hidden, q_resid, precision)
-        ids = kpool_topk(
-            **prepared,
-            seq=seq,
-            topk=self.index_topk,
-            kpool=self.index_kpool,
-            precision=precision,
-            **self.options,
-        )
+        config = self.config.replace(precision=resolve_precision(self.precision, self.settings))  # one resolution
+        prepared = self.prepare(hidden, q_resid, config.precision)
+        ids = pipeline.run(**prepared, seq=seq, config=config, options=self.options, settings=self.settings)
         if self._capture is not None:  # after the result: capturing never changes it
-            self._capture(self, hidden, q_resid, seq, precision, prepared, ids)
+            self._capture(self, hidden, q_resid, seq, config, prepared, ids)
         return ids

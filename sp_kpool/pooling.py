@@ -48,7 +48,7 @@ def pool_table(cu_seq_lens: torch.Tensor, kpool: int) -> tuple[torch.Tensor, tor
 def compress_pools_bf16(
     k: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, pool_tok_start: torch.Tensor
 ) -> torch.Tensor:
-    """Pool keys in the model-definition arithmetic (SPEC 2, ``Glm5NextTextIndexer``).
+    """Pool keys in the model-definition arithmetic (contract §2, ``Glm5NextTextIndexer``).
 
     ``pool_key[p, c] = sum_s softmax_s(g[tok(p, s), c] + ape[s, c]) * k[tok(p, s), c]``:
     the softmax over the slot axis runs in FP32 per channel, the probabilities are cast to

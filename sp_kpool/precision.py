@@ -10,38 +10,31 @@ precision          pools                                        key norm, head g
                    quantized, scales folded into head weights
 =================  ===========================================  =====================
 
-The default is ``$SP_KPOOL_PRECISION`` (else ``bf16``), read **once** per process, at the
-first call that needs it: workers must be restarted to change it, and the rollout engine
-must be configured to the same arithmetic. A missing GPU package never changes the
-precision; it only changes which implementation runs.
+The default is ``Settings.precision`` (``$SP_KPOOL_PRECISION``, else ``bf16``), read
+**once** per process (:mod:`sp_kpool.settings`): workers must be restarted to change it,
+and the rollout engine must be configured to the same arithmetic. A missing GPU package
+never changes the precision; it only changes which implementation runs.
 """
 
 from __future__ import annotations
 
-import functools
-import os
+from .checks import check_choice
+from .settings import PRECISIONS, current_settings
 
 __all__ = ["PRECISIONS", "default_precision", "resolve_precision", "SERVING_PRECISIONS"]
 
-PRECISIONS = ("bf16", "bf16-serving", "fp8")
 #: Modes whose preparation (key norm, head gate) runs in FP32 with autocast disabled.
 SERVING_PRECISIONS = ("bf16-serving", "fp8")
-_ENV = "SP_KPOOL_PRECISION"
 
 
-@functools.lru_cache(maxsize=1)
 def default_precision() -> str:
-    """``$SP_KPOOL_PRECISION`` or ``"bf16"``; read once, then cached for the process."""
-    value = os.environ.get(_ENV, "").strip() or "bf16"
-    if value not in PRECISIONS:
-        raise ValueError(f"{_ENV}: expected one of {list(PRECISIONS)}, got {value!r}")
-    return value
+    """The process default (``Settings.precision``, read once)."""
+    return current_settings().precision
 
 
-def resolve_precision(precision: str | None) -> str:
-    """``precision`` itself if given (validated), else the process default."""
+def resolve_precision(precision: str | None, settings=None) -> str:
+    """``precision`` itself if given (validated), else the default of ``settings`` (the
+    process settings when ``None``)."""
     if precision is None:
-        return default_precision()
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision: expected one of {list(PRECISIONS)}, got {precision!r}")
-    return precision
+        return (settings or current_settings()).precision
+    return check_choice("precision", precision, PRECISIONS)

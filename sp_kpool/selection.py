@@ -1,6 +1,6 @@
 """Causal ranges, deterministic Top-K, expansion, tail, global ids and column layouts.
 
-Causal rule (SPEC 4), for the query at document-local position ``j`` of a document whose
+Causal rule (contract §4), for the query at document-local position ``j`` of a document whose
 first pool has global id ``pool_lo``::
 
     visible pools   [pool_lo, pool_lo + (j + 1) // K)     (complete pools ending <= j)
@@ -16,13 +16,14 @@ host synchronisation.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch
 
+from . import _device
 from ._device import to_device
 from ._probe import probe
+from .config import ORDERS, TAILS, output_width
 
 __all__ = [
     "RowMeta",
@@ -39,8 +40,6 @@ __all__ = [
     "ORDERS",
 ]
 
-TAILS = ("fixed", "compact")
-ORDERS = ("ascending", "score", "serving")
 
 # Key of a masked-out (invisible) pool: below every real key, so it sorts last.
 _INVALID_KEY = torch.iinfo(torch.int64).min
@@ -64,7 +63,7 @@ class RowMeta:
     @functools.cached_property
     def pool_hi(self) -> torch.Tensor:
         """End (exclusive) of the visible pool range, ``pool_lo + n_visible`` (computed once
-        per object: the driver keeps its rows' metadata across calls)."""
+        per object: the plan keeps its rows' metadata across calls)."""
         return self.pool_lo + self.n_visible
 
 
@@ -89,12 +88,6 @@ def row_meta(
     n_visible = torch.where(padding, torch.zeros_like(j), (j + 1) // kpool)
     tail_len = torch.where(padding, torch.zeros_like(j), (j + 1) % kpool)
     return RowMeta(rows=rows, pool_lo=offs[doc], n_visible=n_visible, tail_len=tail_len, padding=padding)
-
-
-def output_width(topk: int, kpool: int, alignment: int) -> int:
-    """``align(topk + kpool - 1, alignment)``: 2051 for the checkpoint with alignment 1."""
-    w = topk + kpool - 1
-    return -(-w // alignment) * alignment
 
 
 def _pack_keys(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -305,7 +298,7 @@ def select_pools(
     the same sets.
 
     ``out``: optional ``[R, k]`` int32 destination (unit column stride, e.g. rows of the
-    driver's output): the row is written whole, ``-1`` past ``min(k, N)``, and ``out`` is
+    pipeline's output): the row is written whole, ``-1`` past ``min(k, N)``, and ``out`` is
     returned. The Triton selector writes into it directly; the other paths copy.
     """
     if out is not None:
@@ -313,21 +306,21 @@ def select_pools(
         if out.shape != (R, k) or out.dtype != torch.int32 or out.device != scores.device:
             raise ValueError(f"out: expected an int32 tensor of shape {(R, k)} on {scores.device}, got "
                              f"{out.dtype} {tuple(out.shape)} on {out.device}")  # fmt: skip
-        if scores.device.type == "cuda" and order == "ascending" and reads_row_ranges_only(k, scores.shape[1], order):
+        if _device.on_gpu(scores.device) and order == "ascending" and reads_row_ranges_only(k, scores.shape[1], order):
             return _select_cuda(scores, visible, k, col0, ends, order, starts, out)
         pools = select_pools(scores, visible, k, col0, ends, order, starts)
         out[:, : pools.shape[1]] = pools
         out[:, pools.shape[1] :] = -1
         return out
     if order == "serving":
-        selector = _radix_selector(k) if scores.device.type == "cuda" else None
+        selector = _radix_selector(k) if _device.on_gpu(scores.device) else None
         if selector is None or ends is None:
             raise ValueError(f"order: 'serving' needs CUDA, lmdeploy and k in (512, 2048) pools, got k = {k} on {scores.device}")
         if visible is not None:
             scores = scores.masked_fill(~visible, -float("inf"))
         return serving_pools(scores, ends, k, col0, selector)
     R, n = scores.shape
-    if scores.device.type == "cuda":
+    if _device.on_gpu(scores.device):
         if reads_row_ranges_only(k, n, order):
             return _select_cuda(scores, visible, k, col0, ends, order, starts, None)
         if visible is not None:
@@ -405,7 +398,7 @@ def assemble(
     p32 = pools.to(torch.int32)
     if order == "ascending" and not presorted:
         p32 = _ascending(p32)
-    if device.type == "cuda" and probe("triton")[0] is not None:
+    if _device.on_gpu(device) and probe("triton")[0] is not None:
         from .kernels.triton_expand import expand_pools
 
         # the kernel writes every column (no -1 fill first)

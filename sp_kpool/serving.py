@@ -1,4 +1,4 @@
-"""FP8 serving arithmetic of the rollout engine (SPEC section 6), in plain torch.
+"""FP8 serving arithmetic of the rollout engine (contract §6), in plain torch.
 
 This module reproduces, value for value, how serving (LMDeploy's GLM-5.3 KPool path)
 builds and scores index pools, so that the FP8 adapter can be checked bit for bit:
@@ -14,7 +14,7 @@ builds and scores index pools, so that the FP8 adapter can be checked bit for bi
                   mqa_logits_fp8_reference  (DeepGEMM fp8_mqa_logits, dequantized)
 
 ``prepare_pools_bf16_serving`` and ``scores_bf16_serving`` are the BF16 arm on the same
-decode-mode pools (no rotation), scored per SPEC section 3 in FP32.
+decode-mode pools (no rotation), scored per contract §3 in FP32.
 
 Every function computes in FP32 whatever the ambient autocast state (autocast is disabled
 inside), works on CPU and CUDA, and has no distributed code. Matrix products additionally
@@ -51,7 +51,7 @@ __all__ = [
 
 #: Largest finite magnitude of ``float8_e4m3fn``.
 FP8_E4M3_MAX = 448.0
-#: Lower bound applied to a vector's absmax before deriving its scale (SPEC 6.4).
+#: Lower bound applied to a vector's absmax before deriving its scale (contract §6 step 4).
 SCALE_ABSMAX_FLOOR = 1e-4
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -137,7 +137,7 @@ def _check_power_of_two(name: str, d: int) -> None:
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """Normalized Walsh–Hadamard transform over the last dim, in FP32 (SPEC 6.3).
+    """Normalized Walsh–Hadamard transform over the last dim, in FP32 (contract §6 step 3).
 
     Args:
         x: ``[..., D]``, any float dtype; ``D`` must be a power of two. It is converted with
@@ -176,7 +176,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 def ue8m0_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """Per-vector FP8 scale, rounded up to a power of two (UE8M0; SPEC 6.4).
+    """Per-vector FP8 scale, rounded up to a power of two (UE8M0; contract §6 step 4).
 
     Args:
         absmax: ``[...]``, float32 / bfloat16 / float16 (converted exactly to FP32); the
@@ -201,7 +201,7 @@ def ue8m0_scale(absmax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_e4m3(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize to ``float8_e4m3fn`` with one UE8M0 scale per vector along ``dim`` (SPEC 6.4).
+    """Quantize to ``float8_e4m3fn`` with one UE8M0 scale per vector along ``dim`` (contract §6 step 4).
 
     Args:
         x: ``[...]``, float32 (bfloat16 / float16 accepted, converted exactly). Serving
@@ -243,7 +243,7 @@ def compress_pools_decode(
     ape: torch.Tensor,
     pool_tok_start: torch.Tensor,
 ) -> torch.Tensor:
-    """Pool keys in serving's "decode" mode, FP32 (SPEC 2 and 6.1).
+    """Pool keys in serving's "decode" mode, FP32 (contract §2 and §6 step 1).
 
     Args:
         k: ``[S, D]``, any float dtype; the normalized index keys.
@@ -339,7 +339,7 @@ def prepare_pools_fp8(
     ape: torch.Tensor,
     pool_tok_start: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 pool keys as serving stores them (SPEC 6.1 to 6.4).
+    """FP8 pool keys as serving stores them (contract §6 step 1 to §6 step 4).
 
     Args: as :func:`compress_pools_decode`.
 
@@ -361,7 +361,7 @@ def prepare_pools_fp8(
 def prepare_queries_fp8(
     q: torch.Tensor, head_weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 queries and folded head weights as serving feeds DeepGEMM (SPEC 6.5, 6.6).
+    """FP8 queries and folded head weights as serving feeds DeepGEMM (contract §6 step 5, §6 step 6).
 
     Args:
         q: ``[S, H, D]``, any float dtype; index queries. ``D`` must be a power of two.
@@ -408,7 +408,7 @@ def mqa_logits_fp8_reference(
     k_scale: torch.Tensor,
     chunk_rows: int = 256,
 ) -> torch.Tensor:
-    """Dequantized reference of DeepGEMM ``fp8_mqa_logits`` (SPEC 6.6), all pairs, no mask.
+    """Dequantized reference of DeepGEMM ``fp8_mqa_logits`` (contract §6 step 6), all pairs, no mask.
 
     Args:
         q8: ``[S, H, D]``, float8_e4m3fn; from :func:`prepare_queries_fp8`.
@@ -465,7 +465,7 @@ def scores_bf16_serving(
     pools_bf16: torch.Tensor,
     chunk_rows: int = 256,
 ) -> torch.Tensor:
-    """SPEC section 3 score against (BF16) pools, FP32 arithmetic, all pairs, no mask.
+    """The contract §3 score against (BF16) pools, FP32 arithmetic, all pairs, no mask.
 
     Args:
         q: ``[S, H, D]``, any float dtype (used as ``q.float()``).

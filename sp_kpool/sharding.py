@@ -16,10 +16,12 @@ the padding document return all ``-1``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+
+from .checks import check_int
 
 __all__ = ["ShardedSequence"]
 
@@ -73,6 +75,8 @@ class ShardedSequence:
         group: the ``torch.distributed`` process group (``None`` means the default group
             when ``world_size > 1``, and no communication at all when ``world_size == 1``).
         num_padding: padding tokens at the end (``0 <= num_padding < world_size``).
+        tables: the pipeline's tables for this sequence (:class:`sp_kpool.plan.TableCache`):
+            every layer called with this object after the first reuses them.
     """
 
     cu_seq_lens: torch.Tensor
@@ -82,6 +86,12 @@ class ShardedSequence:
     world_size: int
     group: Any = None
     num_padding: int = 0
+    tables: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        from .plan import TableCache
+
+        object.__setattr__(self, "tables", TableCache())
 
     # ----------------------------------------------------------------- builders
     @classmethod
@@ -104,11 +114,8 @@ class ShardedSequence:
 
         Raises ``ValueError``/``TypeError`` naming the argument and the bad value.
         """
-        for name, v in (("world_size", world_size), ("rank", rank)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}: expected int, got {v!r} of type {type(v).__name__}")
-        if world_size < 1:
-            raise ValueError(f"world_size: expected >= 1, got {world_size}")
+        check_int("world_size", world_size, 1)
+        check_int("rank", rank)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         cu = _as_cu_seq_lens(cu_seq_lens)

@@ -1,7 +1,7 @@
-"""``backend="deepgemm"``: the FP8 serving arithmetic on Hopper GPUs (SPEC 6, 8).
+"""``backend="deepgemm"``: the FP8 serving arithmetic on Hopper GPUs (contract §6, §8).
 
 Pools and queries by the Triton kernels of :mod:`sp_kpool.kernels.triton_serving`
-(bitwise equal to :mod:`sp_kpool.serving`; one launch for both when the driver pools),
+(bitwise equal to :mod:`sp_kpool.serving`; one launch for both when the pipeline pools),
 scores by DeepGEMM's ``fp8_mqa_logits``
 (``(q8, (k8, k_scale), weights', ks, ke)``), query rows chunked so that the real logits
 storage never exceeds ``max_logits_bytes`` (checked on every call).
@@ -10,25 +10,23 @@ Column layouts, detected from the installed API: ``legacy`` (absolute columns, g
 columns, ``clean_logits`` writes ``-inf`` outside ``[ks, ke)``) where ``fp8_mqa_logits``
 exists; ``compact`` (request-local columns, ``max_seqlen_k``; columns past a row's
 length are uninitialised and masked here) where only ``fp8_fp4_mqa_logits`` exists or
-``$SP_KPOOL_MQA_LAYOUT=compact``.
+``Settings.mqa_layout = "compact"`` (``$SP_KPOOL_MQA_LAYOUT``).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 
 from .._probe import cuda_reason, probe
-from ..logits_budget import logits_bytes, logits_chunk_rows
+from ..plan import round_rows
 from ..selection import reads_row_ranges_only
-from .base import Backend, Problem, round_rows
+from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
+from .deepgemm_logits import logits_bytes, logits_chunk_rows
 
 __all__ = ["DeepGemmBackend", "mqa_api"]
-
-_ENV_LAYOUT = "SP_KPOOL_MQA_LAYOUT"
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,14 +67,14 @@ def legacy_alignment(device_index: int) -> int:
     return max(1, out.stride(0) - 256)
 
 
-def _layout() -> str:
+def _layout(settings) -> str:
+    """The column layout: ``settings.mqa_layout`` if set (checked against the installed
+    build), else the first one the build has."""
     _, layouts = mqa_api()
-    want = os.environ.get(_ENV_LAYOUT, "").strip()
+    want = settings.mqa_layout
     if want:
-        if want not in ("legacy", "compact"):
-            raise ValueError(f"{_ENV_LAYOUT}: expected 'legacy' or 'compact', got {want!r}")
         if want not in layouts:
-            raise ValueError(f"{_ENV_LAYOUT}: the installed deep_gemm supports {list(layouts)}, not {want!r}")
+            raise ValueError(f"SP_KPOOL_MQA_LAYOUT: the installed deep_gemm supports {list(layouts)}, not {want!r}")
         return want
     return layouts[0]
 
@@ -85,7 +83,6 @@ class DeepGemmBackend(Backend):
     name = "deepgemm"
     precisions = ("fp8",)
     priority = 20
-    masks_scores = True
     max_chunk_rows = 1 << 16
     #: Per-row constant of the balance work model (see TileLangBackend): b / a ~ 11500.
     balance_row_cost = 11500
@@ -113,13 +110,8 @@ class DeepGemmBackend(Backend):
                 reasons.append(str(exc))
         return reasons
 
-    def pool(self, problem: Problem, pool_tok_start: torch.Tensor):
-        from ..kernels.triton_serving import pools_serving
-
-        return pools_serving(problem.k, problem.gates, problem.ape, pool_tok_start, fp8=True)
-
     def _layout_args(self, problem: Problem):
-        layout = _layout()
+        layout = _layout(problem.settings)
         a = legacy_alignment(problem.device.index or 0) if layout == "legacy" else 64
         return layout, a
 
@@ -128,37 +120,31 @@ class DeepGemmBackend(Backend):
         rows = logits_chunk_rows(problem.max_logits_bytes, max(1, num_pools), problem.heads, layout, a)
         return round_rows(min(rows, self.max_chunk_rows, problem.seq.num_real_tokens))
 
-    #: the query kernel writes the zero rows around the prepared ones itself
-    pads_prepared = True
+    def prepare(self, problem: Problem, pools: PoolInputs | None, queries: QueryInputs | None):
+        """Pools (E4M3 values and UE8M0 scales) and queries (rotated E4M3, scales folded into
+        FP32 head weights, zero rows written around them by the kernel), both in one kernel
+        launch when both are asked for (``triton_serving.prepare_fp8``: bit for bit the
+        values of the two separate kernels)."""
+        from ..kernels import triton_serving as ts
 
-    def prepare_queries(self, problem, q, w, before: int = 0, after: int = 0):
-        """Rotated E4M3 queries ``[before + R + after, H, D]`` and folded FP32 head weights
-        ``[before + R + after, H]``, zero rows around the ``R`` rows of ``q``, ``w``."""
-        from ..kernels.triton_serving import queries_fp8
+        if pools is not None and queries is not None:
+            (k8, k_scale), (q8, wq) = ts.prepare_fp8(
+                queries.q, queries.w, pools.k, pools.gates, problem.ape, pools.pool_tok_start,
+                before=queries.before, after=queries.after,
+            )  # fmt: skip
+            return Pools(k8, k_scale), Queries(q8, wq, queries.row - queries.before)
+        pooled = prepared = None
+        if pools is not None:
+            pooled = Pools(*ts.pools_serving(pools.k, pools.gates, problem.ape, pools.pool_tok_start, fp8=True))
+        if queries is not None:
+            q8, wq = ts.queries_fp8(queries.q, queries.w, before=queries.before, after=queries.after)
+            prepared = Queries(q8, wq, queries.row - queries.before)
+        return pooled, prepared
 
-        return queries_fp8(q, w, before=before, after=after)
-
-    #: pools and queries in one kernel launch (``triton_serving.prepare_fp8``)
-    pools_with_queries = True
-
-    def pool_and_prepare(self, problem, pool_tok_start, q, w, before: int = 0, after: int = 0):
-        """:meth:`pool` and :meth:`prepare_queries` in one kernel launch (bit for bit the same
-        values): ``((k8 [P, D], k_scale [P]), q8 [before + R + after, H, D], w [before + R +
-        after, H])``."""
-        from ..kernels.triton_serving import prepare_fp8
-
-        pooled, (q8, wq) = prepare_fp8(q, w, problem.k, problem.gates, problem.ape, pool_tok_start, before=before,
-                                       after=after)  # fmt: skip
-        return pooled, q8, wq
-
-    def score(self, problem, pooled, q, w, lo, hi, starts, ends):
-        q8, wq = self.prepare_queries(problem, q, w)
-        return self.score_prepared(problem, pooled, q8, wq, lo, hi, starts, ends)
-
-    def score_prepared(self, problem, pooled, q8, wq, lo, hi, starts, ends):
+    def score(self, problem, pools, q8, wq, lo, hi, starts, ends) -> ChunkScores:
         fn, _ = mqa_api()
         layout, a = self._layout_args(problem)
-        k8, k_scale = pooled
+        k8, k_scale = pools.keys, pools.scales
         # the kernel's TMA wants 16-byte aligned scale pointers: start the kv slice at a
         # multiple of 4 pools and shift the row ranges and the returned columns to match
         shift = lo % 4
@@ -186,9 +172,9 @@ class DeepGemmBackend(Backend):
                 f"or the predicted {bound} ({layout} layout, {q8.shape[0]} rows x {width} columns)"
             )
         if layout == "legacy":
-            return logits[:, shift : shift + n]
+            return ChunkScores(logits[:, shift : shift + n], masked=True)
         scores = logits[:, :width]
         if clean:
             cols = torch.arange(width, device=q8.device)
             scores = scores.masked_fill(cols[None] >= lens[:, None], -float("inf"))
-        return scores, starts.to(torch.int64)
+        return ChunkScores(scores, col_offset=starts.to(torch.int64), masked=True)

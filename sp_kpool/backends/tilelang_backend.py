@@ -16,7 +16,7 @@ from .. import serving
 from .._probe import cuda_reason, probe
 from ..pooling import compress_pools_bf16
 from ..selection import reads_row_ranges_only
-from .base import Backend, Problem
+from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
 
 __all__ = ["TileLangBackend"]
 
@@ -25,11 +25,10 @@ class TileLangBackend(Backend):
     name = "tilelang"
     precisions = ("bf16", "bf16-serving")
     priority = 20
-    masks_scores = True
     max_chunk_rows = 1 << 15
     #: Per-row constant of the balance work model, in (row, pool) scores: fitted
-    #: (score + select = a * pairs + b * rows) on the 2 x H200 runs in
-    #: benchmarks/results/2026-11-29-h200/final (b / a ~ 5900 at the 256 MiB budget).
+    #: (score + select = a * pairs + b * rows) on two H200 ranks (b / a ~ 5900 at the
+    #: 256 MiB budget; ``scripts/bench.py`` fits it).
     balance_row_cost = 5900
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
@@ -52,24 +51,32 @@ class TileLangBackend(Backend):
                 reasons.append(why)
         return reasons
 
-    def pool(self, problem: Problem, pool_tok_start: torch.Tensor):
-        args = (problem.k, problem.gates, problem.ape, pool_tok_start)
-        if problem.precision == "bf16":
-            return compress_pools_bf16(*args)
-        if probe("triton")[0] is not None:
-            from ..kernels.triton_serving import pools_serving
+    def prepare(self, problem: Problem, pools: PoolInputs | None, queries: QueryInputs | None):
+        """Pools on the GPU (``bf16``: the model arithmetic in torch ops; ``bf16-serving``: the
+        Triton kernel, or the torch one without Triton); queries as given."""
+        pooled = None
+        if pools is not None:
+            args = (pools.k, pools.gates, problem.ape, pools.pool_tok_start)
+            if problem.precision == "bf16":
+                pooled = Pools(compress_pools_bf16(*args))
+            elif probe("triton")[0] is not None:
+                from ..kernels.triton_serving import pools_serving
 
-            return pools_serving(*args, fp8=False)
-        return serving.prepare_pools_bf16_serving(*args)
+                pooled = Pools(pools_serving(*args, fp8=False))
+            else:
+                pooled = Pools(serving.prepare_pools_bf16_serving(*args))
+        return pooled, None if queries is None else Queries(queries.q, queries.w, queries.row)
 
     def score_bytes_per_cell(self, problem: Problem) -> int:
         return 4  # the FP32 logits; Top-K scratch is [C, k + 8]
 
-    def score(self, problem, pooled, q, w, lo, hi, starts, ends):
+    def score(self, problem, pools, q, w, lo, hi, starts, ends) -> ChunkScores:
         from ..kernels.tilelang_score import tilelang_scores
 
         H, D = problem.heads, problem.head_dim
         wq = w.float() * (H**-0.5 * D**-0.5)
-        # the -inf fill of the whole chunk only where a reader needs it (see masks_scores)
+        # the -inf fill of the whole chunk only where a reader needs it (see ChunkScores.masked)
         clean = not reads_row_ranges_only(problem.topk // problem.kpool, hi - lo, problem.order)
-        return tilelang_scores(q, wq, pooled[lo:hi], starts, ends, clean=clean)
+        config = problem.settings.tilelang_config
+        return ChunkScores(tilelang_scores(q, wq, pools.keys[lo:hi], starts, ends, clean=clean, config=config),
+                           masked=True)  # fmt: skip

@@ -18,7 +18,7 @@ import torch
 
 from .. import serving
 from ..pooling import compress_pools_bf16
-from .base import Backend, Problem
+from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
 
 __all__ = ["TorchBackend"]
 
@@ -35,14 +35,22 @@ class TorchBackend(Backend):
             reasons.append(f"fp8 needs a power-of-two head dim for the Hadamard rotation, got D = {d}")
         return reasons
 
-    def pool(self, problem: Problem, pool_tok_start: torch.Tensor):
-        args = (problem.k, problem.gates, problem.ape, pool_tok_start)
+    def prepare(self, problem: Problem, pools: PoolInputs | None, queries: QueryInputs | None):
+        """Pools in the call's arithmetic; queries as given (``fp8`` rotates and quantizes
+        each chunk's rows in :meth:`score`, a per-row step)."""
+        pooled = prepared = None
         with torch.autocast(problem.device.type, enabled=False):
-            if problem.precision == "bf16":
-                return compress_pools_bf16(*args)
-            if problem.precision == "bf16-serving":
-                return serving.prepare_pools_bf16_serving(*args)
-            return serving.prepare_pools_fp8(*args)
+            if pools is not None:
+                args = (pools.k, pools.gates, problem.ape, pools.pool_tok_start)
+                if problem.precision == "bf16":
+                    pooled = Pools(compress_pools_bf16(*args))
+                elif problem.precision == "bf16-serving":
+                    pooled = Pools(serving.prepare_pools_bf16_serving(*args))
+                else:
+                    pooled = Pools(*serving.prepare_pools_fp8(*args))
+            if queries is not None:
+                prepared = Queries(queries.q, queries.w, queries.row)
+        return pooled, prepared
 
     def score_bytes_per_cell(self, problem: Problem) -> int:
         if problem.precision == "fp8":
@@ -51,15 +59,16 @@ class TorchBackend(Backend):
         # [C, H, N] FP32 per-head scores + [C, N] FP32 logits + [C, N] int64 sort keys.
         return 4 * (problem.heads + 1) + 8
 
-    def score(self, problem: Problem, pooled, q, w, lo: int, hi: int, starts=None, ends=None):
+    def score(self, problem: Problem, pools: Pools, q, w, lo: int, hi: int, starts=None, ends=None) -> ChunkScores:
         if problem.precision == "fp8":
-            k8, k_scale = pooled
             q8, wq = serving.prepare_queries_fp8(q, w)
-            return serving.mqa_logits_fp8_reference(q8, wq, k8[lo:hi], k_scale[lo:hi], chunk_rows=q.shape[0])
+            logits = serving.mqa_logits_fp8_reference(q8, wq, pools.keys[lo:hi], pools.scales[lo:hi],
+                                                      chunk_rows=q.shape[0])  # fmt: skip
+            return ChunkScores(logits)
         C, H, D = q.shape
         with torch.autocast(q.device.type, enabled=False):
-            keys = pooled[lo:hi].float()  # [N, D]
+            keys = pools.keys[lo:hi].float()  # [N, D]
             s = torch.matmul(q.float().reshape(C * H, D), keys.t())  # [C*H, N]
             s = torch.relu_(s.mul_(D**-0.5)).view(C, H, -1)
             wf = (w.float() * H**-0.5).unsqueeze(1)  # [C, 1, H]
-            return torch.bmm(wf, s).squeeze(1)  # [C, N]
+            return ChunkScores(torch.bmm(wf, s).squeeze(1))  # [C, N]

@@ -1,4 +1,4 @@
-"""TileLang BF16 pool scorer (SPEC 3): ``ReLU(q.k)`` x head weight, summed over heads.
+"""TileLang BF16 pool scorer (contract §3): ``ReLU(q.k)`` x head weight, summed over heads.
 
 One thread block owns ``BQ = max(1, 128 // H)`` query rows, i.e. a ``[BQ*H, D]`` BF16 tile
 of queries that stays in shared memory, and streams the pooled keys of the union of its
@@ -16,7 +16,6 @@ the model score up to FP32 rounding, not bit for bit.
 # no `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations
 
 import functools
-import os
 
 import torch
 
@@ -24,22 +23,11 @@ __all__ = ["tilelang_scores", "SUPPORTED_HEADS", "SUPPORTED_DIMS", "default_conf
 
 SUPPORTED_HEADS = (16, 32, 64, 128)
 SUPPORTED_DIMS = (64, 128)
-_ENV_CONFIG = "SP_KPOOL_TILELANG_CONFIG"  # "block_n,num_stages,threads"
 
 
 def default_config(heads: int, dim: int) -> tuple[int, int, int, int]:
-    """``(block_n, num_stages, threads, block_q)``; ``$SP_KPOOL_TILELANG_CONFIG`` overrides
-    (``"block_n,num_stages,threads[,block_q]"``). Default from the H200 sweeps in
-    ``benchmarks/results/``."""
-    raw = os.environ.get(_ENV_CONFIG)
-    if raw:
-        try:
-            vals = [int(v) for v in raw.split(",")]
-            bn, st, th = vals[:3]
-            bq = vals[3] if len(vals) > 3 else max(1, 128 // heads)
-        except ValueError:
-            raise ValueError(f"{_ENV_CONFIG}: expected 'block_n,num_stages,threads[,block_q]', got {raw!r}") from None
-        return bn, st, th, bq
+    """``(block_n, num_stages, threads, block_q)`` for ``heads`` (the fastest of H200
+    sweeps); ``Settings.tilelang_config`` (``$SP_KPOOL_TILELANG_CONFIG``) overrides it."""
     if heads == 64:  # 256 query-head rows per block, four warpgroups of consumers
         return 64, 4, 512, 4
     if heads > 64:

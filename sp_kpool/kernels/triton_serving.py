@@ -1,4 +1,4 @@
-"""Triton kernels of the serving arithmetic (SPEC 6), bitwise equal to :mod:`sp_kpool.serving`.
+"""Triton kernels of the serving arithmetic (contract §6), bitwise equal to :mod:`sp_kpool.serving`.
 
 * :func:`pools_serving`: decode-mode compression (two passes, FP32, slots in order), then
   either BF16 storage (``bf16-serving``) or BF16 round -> Hadamard -> BF16 round -> E4M3
@@ -347,7 +347,7 @@ def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None =
 
     ``before`` / ``after``: that many all-zero rows in front of / behind the ``S`` rows of
     both outputs (``[before + S + after, ...]``; what an all-zero input row gives), written
-    in place (the driver scores chunks of a fixed row grid from views)."""
+    in place (the pipeline scores chunks of a fixed row grid from views)."""
     import triton
 
     if before < 0 or after < 0:

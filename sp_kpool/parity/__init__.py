@@ -17,7 +17,7 @@ The package, by concern:
 
 from __future__ import annotations
 
-from .arms import Arm, gathered_problem
+from .arms import Arm, gathered_inputs
 from .replay import HIST_EDGES, replay, selected_pool_sets, stderr_progress
 from .report import format_table, write_outputs
 from .synthetic import make_synthetic_capture
@@ -28,7 +28,7 @@ __all__ = [
     "format_table",
     "write_outputs",
     "make_synthetic_capture",
-    "gathered_problem",
+    "gathered_inputs",
     "selected_pool_sets",
     "stderr_progress",
     "HIST_EDGES",

@@ -3,8 +3,8 @@
 An *arm* is ``precision[:backend]`` (``fp8``, ``bf16-serving:torch``, ``bf16:auto``); the
 backend defaults to ``auto`` and is resolved by name through
 :func:`sp_kpool.backends.resolve_backend`. One arm's run is steps 1-3 of
-:mod:`sp_kpool.parity.replay`: the gathered ``Problem`` prepared under the captured
-autocast state, the backend's pools, and the ids of the operator's real driver.
+:mod:`sp_kpool.parity.replay`: the gathered inputs prepared under the captured autocast
+state, then the operator's real pipeline after the gather (pools, ids, the plan).
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from ..backends import Problem, backend_names, resolve_backend
+from ..backends import backend_names
 from ..capture import Capture
+from ..pipeline import run_gathered
 from ..precision import PRECISIONS
 
-__all__ = ["Arm", "gathered_problem"]
+__all__ = ["Arm", "gathered_inputs"]
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,35 @@ class Arm:
 
 @dataclass
 class _ArmRun:
+    """One arm's run: the pipeline's :class:`~sp_kpool.pipeline.Computed` (ids, pools,
+    prepared queries, plan) on the gathered inputs, and how to run it again."""
+
     arm: Arm
-    backend: Any
-    problem: Problem
-    pooled: Any
-    ids: torch.Tensor
+    inputs: dict
+    seq: Any
+    config: Any
+    options: Any
+    settings: Any
+    computed: Any
+
+    @property
+    def backend(self):
+        return self.computed.call.backend
+
+    @property
+    def problem(self):
+        return self.computed.call.problem
+
+    @property
+    def pooled(self):
+        return self.computed.pools
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.computed.ids
+
+    def rerun(self):
+        return run_gathered(self.inputs, self.seq, self.config, self.options, self.settings)
 
 
 def _autocast(capture: Capture, device: torch.device):
@@ -63,9 +88,9 @@ def _autocast(capture: Capture, device: torch.device):
     return torch.autocast(device.type, dtype=getattr(torch, state))
 
 
-def gathered_problem(captures: list[Capture], target: Capture, indexer, precision: str, device) -> Problem:
-    """The ``Problem`` that rank ``target.rank`` of the live call ran after its all-gather."""
-    m = target.meta
+def gathered_inputs(captures: list[Capture], target: Capture, indexer, precision: str, device) -> dict:
+    """The inputs that rank ``target.rank`` of the live call had after its all-gather:
+    ``q``, ``head_weights``, ``ape`` of its rows, ``k`` and ``gates`` of the whole sequence."""
     k_parts, g_parts, local = [], [], None
     with _autocast(target, device):
         for c in captures:
@@ -74,21 +99,17 @@ def gathered_problem(captures: list[Capture], target: Capture, indexer, precisio
             g_parts.append(p["gates"])
             if c is target:
                 local = p
-    return Problem(
-        q=local["q"], head_weights=local["head_weights"], k=torch.cat(k_parts), gates=torch.cat(g_parts),
-        ape=local["ape"], seq=target.seq(), topk=m["topk"], kpool=m["kpool"], tail=m["tail"], order=m["order"],
-        alignment=m["alignment"], max_logits_bytes=m["max_logits_bytes"], precision=precision,
-    )  # fmt: skip
+    return {**local, "k": torch.cat(k_parts), "gates": torch.cat(g_parts)}
 
 
-def _run_arm(captures, target, indexer, arm: Arm, device, pts_dev, say) -> _ArmRun:
+def _run_arm(captures, target, indexer, arm: Arm, device, say) -> _ArmRun:
     say(f"arm {arm}: preparing {len(captures)} rank file(s)")
-    problem = gathered_problem(captures, target, indexer, arm.precision, device)
-    backend = resolve_backend(arm.backend, problem)
-    say(f"arm {arm}: pooling and selecting with backend {backend.name}")
-    pooled = backend.pool(problem, pts_dev) if pts_dev.numel() else None
-    ids = backend.run(problem, pooled)
-    return _ArmRun(arm, backend, problem, pooled, ids)
+    inputs = gathered_inputs(captures, target, indexer, arm.precision, device)
+    config = target.config().replace(precision=arm.precision)
+    options = target.options().replace(backend=arm.backend)
+    say(f"arm {arm}: pooling and selecting")
+    computed = run_gathered(inputs, target.seq(), config, options, indexer.settings)
+    return _ArmRun(arm, inputs, target.seq(), config, options, indexer.settings, computed)
 
 
 def _device(device) -> torch.device:

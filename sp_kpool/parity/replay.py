@@ -8,11 +8,12 @@ backend defaults to ``auto`` and is resolved by name through
    captured autocast state (so keys and head gates are FP32-prepared in the serving modes);
    keys and gates of all ranks are concatenated (what the live all-gather returns),
    queries and head weights are this rank's;
-2. pools: ``backend.pool`` (BF16 modes ``[P, D]``; ``fp8`` ``(k8 [P, D] e4m3, k_scale [P])``);
-3. ids: ``backend.run(problem, pooled)`` -- the operator's real driver on those pools;
-4. scores: the very ``backend.score`` calls the driver's ``select_rows`` makes (each arm
-   on its own chunk grid, aligned to global rows), so they are the values its Top-K
-   ranked; compared on the **valid causal slots** only, fixed by the sequence metadata
+2. pools: the backend's (BF16 modes ``[P, D]``; ``fp8`` E4M3 ``[P, D]`` with scales ``[P]``);
+3. ids: the operator's real pipeline after the gather
+   (:func:`sp_kpool.pipeline.run_gathered`);
+4. scores: the very ``backend.score`` calls the pipeline makes (each arm on its own chunk
+   plan, aligned to global rows: :func:`sp_kpool.scoring.chunk_calls`), so they are the
+   values its Top-K ranked; compared on the **valid causal slots** only, fixed by the sequence metadata
    (row ``t`` at document position ``j`` sees the ``(j + 1) // K`` complete pools of its
    document), never by which outputs are finite. Request-local (compact) score columns
    are mapped back to absolute pool ids.
@@ -39,9 +40,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..backends.base import grid_span, pad_rows
+from ..backends.base import ChunkScores, PoolInputs, Pools
 from ..capture import load_capture_set
 from ..pooling import pool_table
+from ..scoring import chunk_calls, score_chunk
 from ..selection import row_meta
 from ..serving import hadamard
 from .arms import Arm, _ArmRun, _device, _run_arm
@@ -60,6 +62,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bitwise_equal(a, b) -> bool:
+    if isinstance(a, Pools) or isinstance(b, Pools):
+        return isinstance(a, Pools) and isinstance(b, Pools) and _bitwise_equal(tuple(a.parts()), tuple(b.parts()))
     if isinstance(a, tuple) or isinstance(b, tuple):
         return (
             isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
@@ -74,10 +78,9 @@ def _pools_fp32(pooled) -> torch.Tensor | None:
     """Dequantized pools ``[P, D]`` FP32 in the arm's own basis (FP8: rotated)."""
     if pooled is None:
         return None
-    if isinstance(pooled, tuple):
-        k8, k_scale = pooled
-        return k8.float() * k_scale[:, None]
-    return pooled.float()
+    if pooled.scales is not None:
+        return pooled.keys.float() * pooled.scales[:, None]
+    return pooled.keys.float()
 
 
 def _diff_stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
@@ -146,7 +149,7 @@ def _pool_diffs(pooled_a, pooled_b) -> dict[str, Any]:
     fa, fb = _pools_fp32(pooled_a), _pools_fp32(pooled_b)
     if fa is None:
         return {"pools_model_space": None, "pools_rotated_space": None}
-    rot_a, rot_b = isinstance(pooled_a, tuple), isinstance(pooled_b, tuple)
+    rot_a, rot_b = pooled_a.scales is not None, pooled_b.scales is not None
     out = {"pools_model_space": _diff_stats(hadamard(fa) if rot_a else fa, hadamard(fb) if rot_b else fb)}
     out["pools_rotated_space"] = (
         _diff_stats(fa if rot_a else hadamard(fa), fb if rot_b else hadamard(fb)) if rot_a or rot_b else None
@@ -154,15 +157,15 @@ def _pool_diffs(pooled_a, pooled_b) -> dict[str, Any]:
     return out
 
 
-def _absolute_columns(scores, width: int) -> torch.Tensor:
+def _absolute_columns(scores: ChunkScores, width: int) -> torch.Tensor:
     """A backend's scores as ``[C, width]`` absolute columns (``lo`` is column 0).
 
-    Request-local results ``(scores [C, W], offset [C])`` (column ``c`` of row ``r`` is
-    ``offset[r] + c``) are scattered into place; cells no column maps to are NaN.
+    Request-local results (column ``c`` of row ``r`` is ``col_offset[r] + c``) are
+    scattered into place; cells no column maps to are NaN.
     """
-    if not isinstance(scores, tuple):
-        return scores.float()
-    local, offset = scores
+    if scores.col_offset is None:
+        return scores.scores.float()
+    local, offset = scores.scores, scores.col_offset
     C, W = local.shape
     idx = offset.to(torch.int64)[:, None] + torch.arange(W, device=local.device)
     ok = (idx >= 0) & (idx < width)
@@ -171,42 +174,33 @@ def _absolute_columns(scores, width: int) -> torch.Tensor:
     return out[:, :width]
 
 
-def _valid_scores(r: _ArmRun, seq, offs, P: int, repeat: bool, stats: dict):
+def _valid_scores(r: _ArmRun, repeat: bool, stats: dict):
     """Yield ``(row_lo, row_hi, values)`` over this shard's rows, chunk by chunk on the arm's
-    **own** chunk grid, making exactly the ``backend.score`` calls of the driver's
-    ``select_rows`` (same rows, zero-filled foreign rows, pool range, per-row ``starts`` /
-    ``ends``), so the values are the ones its selection ranked (a unit test records both
-    calls and requires them equal, so a driver change cannot go unnoticed; the driver makes
-    them in another order: whole chunks first). ``values`` holds the FP32
-    scores of the rows' valid causal slots, row-major (row ``t`` contributes ``(j + 1) // K``
-    values, pools ascending). Counts NaN/Inf into ``stats``; with ``repeat`` scores every
-    chunk twice and clears ``stats["same"]`` on any bitwise difference."""
-    p, b = r.problem, r.backend
-    K, dev, real_cu = p.kpool, p.device, seq.real_cu_seq_lens
-    own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    C = b.chunk_rows(p, P)
-    for g0 in range(*grid_span(C, own_lo, own_hi), C):
-        g1 = min(g0 + C, seq.num_real_tokens)
-        a, e = max(g0, own_lo), min(g1, own_hi)  # rows of this chunk owned here
-        ends = row_meta(torch.tensor([g0, g1 - 1]), real_cu, offs, K)
-        lo, hi = int(ends.pool_lo[0]), int(ends.pool_hi[1])
-        if hi <= lo:
+    **own** plan, making exactly the scoring calls of the pipeline
+    (:func:`sp_kpool.scoring.chunk_calls`, in row order), so the values are the ones its
+    selection ranked. ``values`` holds the FP32 scores of the rows' valid causal slots,
+    row-major (row ``t`` contributes ``(j + 1) // K`` values, pools ascending). Counts
+    NaN/Inf into ``stats``; with ``repeat`` scores every chunk twice and clears
+    ``stats["same"]`` on any bitwise difference."""
+    c = r.computed
+    dev = c.call.problem.device
+    for call in chunk_calls(c.plan, c.queries, views_first=False):
+        a, e, ch = call.a, call.b, call.chunk
+        if call.q is None:
             yield a, e, torch.zeros(0, dtype=torch.float32, device=dev)
             continue
-        # as select_rows: every row of the global chunk, empty ranges for rows not owned here
-        meta = row_meta(torch.arange(g0, g0 + C, device=dev), real_cu, offs, K)
-        mine = torch.zeros(C, dtype=torch.bool, device=dev)
-        mine[a - g0 : e - g0] = True
-        r_start = torch.where(mine, (meta.pool_lo - lo).clamp(0, hi - lo), 0)
-        r_end = torch.maximum(r_start, torch.where(mine, (meta.pool_hi - lo).clamp(0, hi - lo), 0))
-        qc = pad_rows(p.q[a - own_lo : e - own_lo], a - g0, g0 + C - e)
-        wc = pad_rows(p.head_weights[a - own_lo : e - own_lo], a - g0, g0 + C - e)
-        args = (p, r.pooled, qc, wc, lo, hi, r_start.to(torch.int32), r_end.to(torch.int32))
-        cols = torch.arange(hi - lo, device=dev)
-        visible = (cols[None] >= r_start[a - g0 : e - g0, None]) & (cols[None] < r_end[a - g0 : e - g0, None])
-        v = _absolute_columns(b.score(*args), hi - lo)[a - g0 : e - g0][visible]
+        rows = slice(a - ch.first, e - ch.first)
+        cols = torch.arange(ch.pool_hi - ch.pool_lo, device=dev)
+        r_start, r_end = call.starts[rows].long(), call.ends[rows].long()
+        visible = (cols[None] >= r_start[:, None]) & (cols[None] < r_end[:, None])
+
+        def values():
+            sc = score_chunk(c.call.backend, c.call.problem, c.pools, call)
+            return _absolute_columns(sc, ch.pool_hi - ch.pool_lo)[rows][visible]
+
+        v = values()
         if repeat and stats["same"]:
-            stats["same"] = _bitwise_equal(v, _absolute_columns(b.score(*args), hi - lo)[a - g0 : e - g0][visible])
+            stats["same"] = _bitwise_equal(v, values())
         stats["nan_in_valid_slots"] += int(torch.isnan(v).sum())
         stats["inf_in_valid_slots"] += int(torch.isinf(v).sum())
         yield a, e, v
@@ -215,7 +209,7 @@ def _valid_scores(r: _ArmRun, seq, offs, P: int, repeat: bool, stats: dict):
 def _score_diffs(runs: dict[str, _ArmRun], seq, offs, n_visible: torch.Tensor, P: int, repeat: bool, say) -> dict[str, Any]:
     """Both arms' scores on the valid causal slots, each on its own chunk grid, compared
     row range by row range as both become available (memory: about one chunk per arm)."""
-    dev = runs["A"].problem.device
+    dev = runs["A"].computed.call.problem.device
     own_lo = seq.shard_start
     n = n_visible.numel()
     nv = n_visible.cpu()
@@ -227,7 +221,7 @@ def _score_diffs(runs: dict[str, _ArmRun], seq, offs, n_visible: torch.Tensor, P
     hist = torch.zeros(nbins, dtype=torch.float64, device=dev)
     row_max_abs = torch.zeros(n, dtype=torch.float32, device=dev)
     if n and P:
-        gens = {name: _valid_scores(r, seq, offs, P, repeat, stats[name]) for name, r in runs.items()}
+        gens = {name: _valid_scores(r, repeat, stats[name]) for name, r in runs.items()}
         pend = {name: torch.zeros(0, dtype=torch.float32, device=dev) for name in runs}
         pend_end = {name: own_lo for name in runs}
         done = own_lo
@@ -341,7 +335,6 @@ def replay(
     real_cu = seq.real_cu_seq_lens
     pts, offs = pool_table(real_cu, K)
     P = pts.numel()
-    pts_dev = pts.to(dev)
     indexer = target.indexer(dev)
     say(
         f"rank {target.rank}/{target.world_size}: {seq.shard_size} rows, {P} pools, H={m['heads']} "
@@ -352,15 +345,17 @@ def replay(
     arm_info: dict[str, dict[str, Any]] = {}
     for name, arm in (("A", a), ("B", b)):
         t0 = time.perf_counter()
-        runs[name] = r = _run_arm(captures, target, indexer, arm, dev, pts_dev, say)
+        runs[name] = r = _run_arm(captures, target, indexer, arm, dev, say)
         info = {"arm": str(arm), "precision": arm.precision, "backend": r.backend.name}
         captured_arm = arm.precision == m["precision"] and r.backend.name == m["backend_resolved"]
         info["reproduces_captured_ids"] = bool(torch.equal(r.ids.cpu(), target.ids)) if captured_arm else None
         if repeat:
             say(f"arm {arm}: repeating pools and ids")
+            p, plan = r.problem, r.computed.plan
+            again = r.backend.prepare(p, PoolInputs(p.k, p.gates, plan.pool_tok_start), None)[0] if P else None
             info["repeat_bitwise_equal"] = {
-                "pools": _bitwise_equal(r.pooled, r.backend.pool(r.problem, pts_dev) if P else None),
-                "ids": _bitwise_equal(r.ids, r.backend.run(r.problem)),
+                "pools": _bitwise_equal(r.pooled, again),
+                "ids": _bitwise_equal(r.ids, r.rerun().ids),
             }
         arm_info[name] = info
         say(f"arm {name} = {arm} (backend {r.backend.name}): pools and ids in {time.perf_counter() - t0:.2f} s")

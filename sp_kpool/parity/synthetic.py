@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
 
-from ..backends import Problem, resolve_backend
 from .arms import _device
 
 __all__ = ["make_synthetic_capture"]
@@ -27,6 +27,7 @@ def make_synthetic_capture(
     topk: int = 2048,
     kpool: int = 4,
     precision: str = "bf16",
+    max_logits_bytes: int | None = None,
     backend: str = "torch",
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
@@ -41,10 +42,10 @@ def make_synthetic_capture(
     World size 1 runs the real ``KPoolIndexer.forward`` with its capture hook. More ranks
     simulate the live ranks in this process: each rank's rows are prepared on their own,
     keys and gates are concatenated (what the all-gather returns), and each rank's ids come
-    from the backend's real driver. Returns the paths, by rank.
+    from the operator's real pipeline. Returns the paths, by rank.
     """
     from .. import capture as cap_mod
-    from ..backends.base import default_max_logits_bytes
+    from .. import pipeline
     from ..indexer import KPoolIndexer
     from ..sharding import ShardedSequence
     from ..testing.problems import random_doc_lengths
@@ -56,7 +57,8 @@ def make_synthetic_capture(
         cu.append(cu[-1] + n)
     mod = KPoolIndexer(
         hidden_size=hidden_size, q_lora_rank=q_lora_rank, index_n_heads=heads, index_head_dim=head_dim,
-        index_topk=topk, index_kpool=kpool, backend=backend, precision=precision, device=dev, dtype=dtype,
+        index_topk=topk, index_kpool=kpool, backend=backend, precision=precision, max_logits_bytes=max_logits_bytes,
+        device=dev, dtype=dtype,
     )  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     for name, p in mod.named_parameters():
@@ -85,20 +87,18 @@ def make_synthetic_capture(
     prepared = [mod.prepare(h, qr, precision) for h, qr in parts]
     k_all = torch.cat([p["k"] for p in prepared])
     g_all = torch.cat([p["gates"] for p in prepared])
-    mlb = default_max_logits_bytes(hidden.device)
+    config = mod.config.replace(precision=precision).resolve(mod.settings, hidden.device)
     paths = []
     for s, p, (h, qr) in zip(seqs, prepared, parts):
-        problem = Problem(
-            q=p["q"], head_weights=p["head_weights"], k=k_all, gates=g_all, ape=p["ape"], seq=s, topk=topk,
-            kpool=kpool, tail="fixed", order="ascending", alignment=1, max_logits_bytes=mlb, precision=precision,
-        )  # fmt: skip
-        chosen = resolve_backend(backend, problem)
-        ids = chosen.run(problem)
+        # the all-gather replaced by the concatenation it returns; the rest is the real pipeline
+        res = pipeline.run_gathered({**p, "k": k_all, "gates": g_all}, s, config, mod.options, mod.settings)
+        ids, chosen = res.ids, res.call.backend
         meta = {
             "topk": topk, "kpool": kpool, "heads": heads, "tail": "fixed", "order": "ascending", "alignment": 1,
-            "max_logits_bytes": mlb, "precision": precision, "backend": backend, "backend_resolved": chosen.name,
-            "device": str(dev), "autocast": "off", "tag": tag, "call": 0,
-            "source": f"synthetic (simulated {world_size} ranks)",
+            "max_logits_bytes": config.max_logits_bytes, "precision": precision, "backend": backend,
+            "backend_resolved": chosen.name, "device": str(dev), "autocast": "off", "tag": tag, "call": 0,
+            "source": f"synthetic (simulated {world_size} ranks)", "config": json.dumps(config.record(), sort_keys=True),
+            "options": json.dumps(mod.options.record(), sort_keys=True),
         }  # fmt: skip
         path = cap_mod.capture_path(directory, tag, 0, s.rank, world_size)
         cap_mod.write_capture(path, hidden=h, q_resid=qr, ids=ids, seq=s, params=dict(mod.state_dict()), meta=meta)

@@ -13,7 +13,15 @@ import torch
 from ..pooling import pool_table
 from ..selection import row_meta
 
-__all__ = ["near_tie_rows", "bf16_row_scores", "fp8_row_scores"]
+__all__ = ["ids_of", "near_tie_rows", "bf16_row_scores", "fp8_row_scores"]
+
+
+def ids_of(problem, backend: str) -> torch.Tensor:
+    """The ids of ``problem`` (a gathered :class:`~sp_kpool.backends.base.Problem`) by the
+    backend named ``backend``: the pipeline's stages 3-8 (:func:`sp_kpool.pipeline.solve`)."""
+    from ..pipeline import solve
+
+    return solve(problem, backend).ids
 
 
 def near_tie_rows(problem, out_a: torch.Tensor, out_b: torch.Tensor, row_scores, rel_tol: float = 1e-5):
@@ -43,11 +51,11 @@ def near_tie_rows(problem, out_a: torch.Tensor, out_b: torch.Tensor, row_scores,
     return diff.numel(), bad
 
 
-def bf16_row_scores(problem, pooled: torch.Tensor):
-    """``f(r, lo, hi)``: float64 scores of row ``r`` against pools ``[lo, hi)`` (BF16
+def bf16_row_scores(problem, pooled):
+    """``f(r, lo, hi)`` for :class:`~sp_kpool.backends.base.Pools` ``pooled``: float64 scores of row ``r`` against pools ``[lo, hi)`` (BF16
     arithmetic of the reference: ReLU of ``q . k / sqrt(D)``, head weights ``/ sqrt(H)``)."""
     H, D = problem.heads, problem.head_dim
-    pk = pooled.double()
+    pk = pooled.keys.double()
 
     def f(r, lo, hi):
         sc = torch.relu(problem.q[r].double() @ pk[lo:hi].t() * D**-0.5)

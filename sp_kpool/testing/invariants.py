@@ -1,4 +1,4 @@
-"""Invariant checks of an output (SPEC 4-5); each raises ``AssertionError`` with the row."""
+"""Invariant checks of an output (contract §4-5); each raises ``AssertionError`` with the row."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def row_token_sets(out: torch.Tensor) -> list[frozenset[int]]:
 
 
 def check_invariants(out: torch.Tensor, seq: ShardedSequence, *, topk: int, kpool: int, tail: str, alignment: int = 1):
-    """Check every local row of ``out`` (``[S_local, W]`` int32) against SPEC 4-5.
+    """Check every local row of ``out`` (``[S_local, W]`` int32) against contract §4-5.
 
     Counts (``min((j+1)//K, T//K) * K + (j+1) % K`` valid ids), ids inside
     ``[doc_start, t]``, no repeats, whole complete pools in the history, the tail exactly

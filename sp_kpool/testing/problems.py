@@ -77,33 +77,26 @@ def shard_inputs(x: GlobalInputs, seq: ShardedSequence, device="cpu") -> dict[st
     }
 
 
-def simulate_ranks(x: GlobalInputs, world_size: int, *, topk: int, kpool: int, backend: str = "torch", **options):
+def simulate_ranks(x: GlobalInputs, world_size: int, *, topk: int, kpool: int, backend: str = "torch",
+                   settings=None, **options):  # fmt: skip
     """Every rank's output of a ``world_size`` split, computed in this one process.
 
     The all-gather is replaced by concatenating the ranks' padded shards (exactly what
-    the collective returns); everything after it is the real code path. Returns the
-    outputs by rank, each ``[S_local, W]`` int32.
+    the collective returns); everything after it is the real code path
+    (:func:`sp_kpool.pipeline.run_gathered`). ``options``: the other fields of
+    :class:`~sp_kpool.config.KPoolConfig` (tail, order, alignment, precision,
+    max_logits_bytes). Returns the outputs by rank, each ``[S_local, W]`` int32.
     """
-    import dataclasses
-
-    from ..backends import Problem, resolve_backend
-    from ..backends.base import default_max_logits_bytes
+    from ..config import KPoolConfig, RunOptions
+    from ..pipeline import run_gathered
 
     seqs = [ShardedSequence.split(x.cu_seq_lens, world_size=world_size, rank=r) for r in range(world_size)]
     local = [shard_inputs(x, s) for s in seqs]
     k_all = torch.cat([d["k"] for d in local])
     gates_all = torch.cat([d["gates"] for d in local])
-    opts = dict(tail="fixed", order="ascending", alignment=1, max_logits_bytes=default_max_logits_bytes(x.q.device))
-    opts.update(options)
-    outs = []
-    for s, d in zip(seqs, local):
-        problem = Problem(
-            q=d["q"], head_weights=d["head_weights"], k=k_all, gates=gates_all, ape=d["ape"], seq=s,
-            topk=topk, kpool=kpool, **opts,
-        )  # fmt: skip
-        chosen = resolve_backend(backend, dataclasses.replace(problem, k=d["k"], gates=d["gates"]))
-        outs.append(chosen.run(problem))
-    return outs
+    config = KPoolConfig(topk=topk, kpool=kpool, **options)
+    return [run_gathered({**d, "k": k_all, "gates": gates_all}, s, config, RunOptions(backend=backend), settings).ids
+            for s, d in zip(seqs, local)]  # fmt: skip
 
 
 def reference_slice_problem(heads: int, precision: str = "bf16", *, total: int = 131072, seed: int = 0,
@@ -111,9 +104,9 @@ def reference_slice_problem(heads: int, precision: str = "bf16", *, total: int =
     """The benchmarks' reference workload on CUDA: rank 3 of a 4-rank split of one
     ``total``-token document, D 128, topk 2048, kpool 4, the library's logits budget for
     ``device`` unless ``max_logits_bytes`` is given."""
-    from ..backends.base import default_max_logits_bytes
+    from ..settings import current_settings
 
-    budget = max_logits_bytes or default_max_logits_bytes(device)
+    budget = max_logits_bytes or current_settings().logits_budget(torch.device(device))
     return rank_slice_problem(total, 4, 3, heads=heads, head_dim=128, topk=2048, precision=precision,
                               max_logits_bytes=budget, seed=seed, device=device)  # fmt: skip
 
@@ -134,6 +127,7 @@ def rank_slice_problem(
     (use ``D = 64`` and ``H`` in ``{16, 64}`` so ``D^-0.5`` and ``H^-0.5`` are dyadic).
     """
     from ..backends.base import Problem
+    from ..config import KPoolConfig
 
     lengths = lengths or [total]
     cu = [0]
@@ -163,7 +157,6 @@ def rank_slice_problem(
         ape = (torch.randn(kpool, D, generator=g, device=device) * 0.5).to(bf)
         q = torch.randn(R, H, D, generator=g, device=device).to(bf)
         w = torch.randn(R, H, generator=g, device=device).to(bf)
-    return Problem(
-        q=q, head_weights=w, k=k, gates=gates, ape=ape, seq=seq, topk=topk, kpool=kpool, tail=tail, order=order,
-        alignment=1, max_logits_bytes=max_logits_bytes, precision=precision,
-    )  # fmt: skip
+    config = KPoolConfig(topk=topk, kpool=kpool, tail=tail, order=order, precision=precision,
+                         max_logits_bytes=max_logits_bytes)  # fmt: skip
+    return Problem(q=q, head_weights=w, k=k, gates=gates, ape=ape, seq=seq, config=config)

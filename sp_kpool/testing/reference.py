@@ -1,4 +1,4 @@
-"""References we did not write, and tie-aware comparison (SPEC 10).
+"""References we did not write, and tie-aware comparison (contract §9).
 
 * :func:`transformers_rows`: ``transformers``' ``Glm5NextTextIndexer`` applied per
   document of a packed sequence (it is single-sequence), ids made global.
@@ -60,7 +60,7 @@ def transformers_rows(mod, hidden: torch.Tensor, q_resid: torch.Tensor, cu_seq_l
 def float64_scores(q, k, gates, head_weights, ape, cu_seq_lens, kpool):
     """``(scores [S, P] float64, token_pool [S] int64)``: every row against every pool.
 
-    Pools by a float64 softmax over the slots; score per SPEC 3. ``token_pool[t]`` is the
+    Pools by a float64 softmax over the slots; score per contract §3. ``token_pool[t]`` is the
     global pool holding token ``t`` (``-1`` if its pool is partial). Small inputs only.
     """
     cu = torch.as_tensor(list(cu_seq_lens), dtype=torch.int64)

@@ -3,7 +3,7 @@
 Every test here needs CUDA; without it each one is skipped (so CPU CI collects the folder
 and reports it skipped). Run on a Hopper GPU host (H100/H200) with the package installed
 (``pip install -e ".[test,tilelang,fp8,serving]"`` or the wheels of
-``../shared/scripts/gpu_wheels.sh``), from the repository root::
+``scripts/gpu_wheels.sh``), from the repository root::
 
     python -m pytest tests/gpu -q -rA --junitxml=$OUT/gpu.xml          # quick sizes
     SP_KPOOL_GPU_FULL=1 python -m pytest tests/gpu -q -rA --junitxml=$OUT/gpu.xml  # + full sizes

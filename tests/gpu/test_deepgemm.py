@@ -4,6 +4,8 @@ outside in the legacy layout), the real logits storage of short unaligned chunks
 the budget in both layouts, the fp8 indexer vs the torch fp8 backend (near-ties only) and
 repeated runs bitwise identical."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from sp_kpool import serving
 from sp_kpool.backends import BACKENDS
 from sp_kpool.pooling import pool_table
 from sp_kpool.selection import row_meta
-from sp_kpool.testing.gpu_checks import fp8_row_scores, near_tie_rows
+from sp_kpool.testing.gpu_checks import fp8_row_scores, ids_of, near_tie_rows
 from sp_kpool.testing.problems import rank_slice_problem
 
 pytestmark = [pytest.mark.requires("deep_gemm", "triton"), pytest.mark.xdist_group("gpu")]
@@ -74,20 +76,23 @@ def test_logits_vs_dequantized_reference(H, layout):
 
 @pytest.mark.parametrize("rows,budget", [(204, 2**20), (37, 2**20), (4096, 64 * 2**20)])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_budget_short_unaligned_chunks(monkeypatch, layout, rows, budget):
-    from sp_kpool.logits_budget import logits_bytes
+def test_budget_short_unaligned_chunks(layout, rows, budget):
+    from sp_kpool.backends.base import QueryInputs
+    from sp_kpool.backends.deepgemm_logits import logits_bytes
+    from sp_kpool.settings import Settings
 
     _, _, a = _api(layout)
-    monkeypatch.setenv("SP_KPOOL_MQA_LAYOUT", layout)
     p = rank_slice_problem(4096, 1, 0, heads=32, head_dim=128, topk=2048, precision="fp8", max_logits_bytes=budget)
+    p = dataclasses.replace(p, settings=Settings(mqa_layout=layout))
     be = BACKENDS["deepgemm"]
     st = pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda()
-    pooled = be.pool(p, st)
+    pooled = be.pools(p, st)
     n = st.numel()
     C = min(rows, be.chunk_rows(p, n))
     z = torch.zeros(C, dtype=torch.int32, device="cuda")
+    _, queries = be.prepare(p, None, QueryInputs(p.q[:C], p.head_weights[:C], 0))
     try:
-        be.score(p, pooled, p.q[:C], p.head_weights[:C], 0, n, z, z + n)
+        be.score(p, pooled, queries.q, queries.w, 0, n, z, z + n)
     except RuntimeError as exc:
         pytest.fail(f"rows={C} budget={budget} predicted={logits_bytes(C, n, 32, layout, a)}: {exc}")
 
@@ -96,7 +101,7 @@ def _indexer(cache, H, total, lengths):
     key = (H, total)
     if key not in cache:
         p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=2048, lengths=lengths, precision="fp8", seed=H)
-        cache[key] = p, BACKENDS["deepgemm"].run(p)
+        cache[key] = p, ids_of("deepgemm", p)
     return cache[key]
 
 
@@ -104,9 +109,9 @@ def _indexer(cache, H, total, lengths):
 @pytest.mark.parametrize("H", (32, 64))
 def test_fp8_indexer_vs_torch_fp8(cache, H, total, lengths):
     p, x = _indexer(cache, H, total, lengths)
-    y = BACKENDS["torch"].run(p)
+    y = ids_of("torch", p)
     st = pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda()
-    k8, ks = BACKENDS["torch"].pool(p, st)
+    k8, ks = BACKENDS["torch"].pools(p, st).parts()
     q8, wq = serving.prepare_queries_fp8(p.q, p.head_weights)
     # DeepGEMM's FP8 tensor-core accumulation differs from an FP32 one by ~1e-4 relative
     ndiff, bad = near_tie_rows(p, x, y, fp8_row_scores(q8, wq, k8, ks), rel_tol=1e-3)
@@ -117,4 +122,4 @@ def test_fp8_indexer_vs_torch_fp8(cache, H, total, lengths):
 @pytest.mark.parametrize("H", (32, 64))
 def test_repeat_bitwise(cache, H, total, lengths):
     p, x = _indexer(cache, H, total, lengths)
-    assert torch.equal(x, BACKENDS["deepgemm"].run(p))
+    assert torch.equal(x, ids_of("deepgemm", p))

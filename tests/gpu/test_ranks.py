@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from sp_kpool.backends import BACKENDS
 from sp_kpool.sharding import ShardedSequence
+from sp_kpool.testing.gpu_checks import ids_of
 from sp_kpool.testing.problems import rank_slice_problem
 
 pytestmark = pytest.mark.xdist_group("gpu")
@@ -31,7 +31,7 @@ def test_every_rank_equals_world_size_one(cache, name, precision, H, D, ws):
     if key not in cache:
         base = rank_slice_problem(sum(LENGTHS), 1, 0, heads=H, head_dim=D, topk=2048, lengths=LENGTHS,
                                   precision=precision, max_logits_bytes=64 << 20, seed=11)  # fmt: skip
-        cache[key] = base, BACKENDS[name].run(base)
+        cache[key] = base, ids_of(name, base)
     base, ref = cache[key]
     wrong = []
     for r in range(ws):
@@ -41,7 +41,7 @@ def test_every_rank_equals_world_size_one(cache, name, precision, H, D, ws):
         q = _padrows(base.q[a:b], seq.shard_size - max(0, b - a))
         w = _padrows(base.head_weights[a:b], seq.shard_size - max(0, b - a))
         p = dataclasses.replace(base, seq=seq, q=q, head_weights=w, k=_padrows(base.k, pad), gates=_padrows(base.gates, pad))
-        out = BACKENDS[name].run(p)
+        out = ids_of(name, p)
         n = max(0, b - a)
         if not (torch.equal(out[:n], ref[a:b]) and bool((out[n:] == -1).all())):
             wrong.append(r)

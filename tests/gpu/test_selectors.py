@@ -14,10 +14,8 @@ LEVELS = (3, 1000, 10**7)
 
 
 def topk_ascending(*args, **kw):
-    try:  # the selector's module after the split of kernels/triton_select.py
-        from sp_kpool.kernels.triton_topk import topk_ascending as fn
-    except ImportError:
-        from sp_kpool.kernels.triton_select import topk_ascending as fn
+    from sp_kpool.kernels.triton_topk import topk_ascending as fn  # imports Triton: only on the GPU host
+
     return fn(*args, **kw)
 
 

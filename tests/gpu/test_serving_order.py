@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from sp_kpool.backends import BACKENDS
+from sp_kpool.testing.gpu_checks import ids_of
 from sp_kpool.testing.invariants import check_invariants
 from sp_kpool.testing.problems import rank_slice_problem
 
@@ -21,8 +21,8 @@ ARMS = [pytest.param("tilelang", "bf16", marks=pytest.mark.requires("tilelang", 
 def test_serving_order_sets_equal_exact_rule(name, precision):
     p = rank_slice_problem(16384, 4, 3, heads=64, head_dim=128, topk=2048, precision=precision, seed=5,
                            tail="compact", order="serving")  # fmt: skip
-    srv = BACKENDS[name].run(p)
-    ref = BACKENDS[name].run(dataclasses.replace(p, order="score"))
+    srv = ids_of(name, p)
+    ref = ids_of(name, dataclasses.replace(p, config=p.config.replace(order="score")))
     check_invariants(srv.cpu(), p.seq, topk=2048, kpool=4, tail="compact")
     big = torch.iinfo(torch.int32).max
     same = (torch.sort(srv.masked_fill(srv < 0, big), 1).values == torch.sort(ref.masked_fill(ref < 0, big), 1).values).all(1)

@@ -5,7 +5,7 @@ exact ties), both BF16 modes (gpu_check section ``tilelang-exact``)."""
 import pytest
 import torch
 
-from sp_kpool.backends import BACKENDS
+from sp_kpool.testing.gpu_checks import ids_of
 from sp_kpool.testing.problems import rank_slice_problem
 
 pytestmark = [pytest.mark.requires("tilelang"), pytest.mark.xdist_group("gpu")]
@@ -26,6 +26,6 @@ CASES = [
 def test_tilelang_equals_torch_exact_inputs(total, ws, rank, H, D, lengths, topk, precision):
     p = rank_slice_problem(total, ws, rank, heads=H, head_dim=D, topk=topk, exact=True, lengths=lengths,
                            precision=precision, max_logits_bytes=1 << 30)  # fmt: skip
-    a = BACKENDS["tilelang"].run(p)
-    b = BACKENDS["torch"].run(p)
+    a = ids_of("tilelang", p)
+    b = ids_of("torch", p)
     assert torch.equal(a, b), f"rows={a.shape[0]} differing_rows={int((a != b).any(1).sum())}"

@@ -120,15 +120,15 @@ def test_contiguous_partition_matches_the_declined_split():
                            for a, b in zip(c.bounds, c.bounds[1:]))  # fmt: skip
 
 
-@pytest.mark.parametrize("kw, text", [
-    (dict(block=0), "block: expected an int >= 1, got 0"),
-    (dict(kpool=True), "kpool: expected an int >= 1, got True"),
-    (dict(shard_size=2), "shard_size: 4 shards of 2 rows cannot hold 10 real rows"),
+@pytest.mark.parametrize("kw, exc, text", [
+    (dict(block=0), ValueError, "block: expected >= 1, got 0"),
+    (dict(kpool=True), TypeError, "kpool: expected int, got True of type bool"),
+    (dict(shard_size=2), ValueError, "shard_size: 4 shards of 2 rows cannot hold 10 real rows"),
 ])  # fmt: skip
-def test_partition_arguments_are_named(kw, text):
+def test_partition_arguments_are_named(kw, exc, text):
     args = dict(kpool=4, world_size=4, shard_size=3, block=1)
     args.update(kw)
-    with pytest.raises(ValueError, match=text):
+    with pytest.raises(exc, match=text):
         causal_partition(_cu([10]), **args)
 
 

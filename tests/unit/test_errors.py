@@ -64,16 +64,25 @@ def test_cu_seq_lens_not_matching_the_data():
 
 
 def test_env_budget_is_validated(monkeypatch):
+    from sp_kpool.settings import Settings, current_settings
+
+    with pytest.raises(ValueError, match="SP_KPOOL_MAX_LOGITS_BYTES: expected a positive integer"):
+        Settings.from_env({"SP_KPOOL_MAX_LOGITS_BYTES": "lots"})
+    # the process settings are read at the first call that needs them
     args, seq = _args()
     monkeypatch.setenv("SP_KPOOL_MAX_LOGITS_BYTES", "lots")
-    with pytest.raises(ValueError, match="SP_KPOOL_MAX_LOGITS_BYTES: expected a positive integer"):
-        kpool_topk(**args, seq=seq, topk=8)
+    current_settings.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="SP_KPOOL_MAX_LOGITS_BYTES: expected a positive integer"):
+            kpool_topk(**args, seq=seq, topk=8)
+    finally:
+        current_settings.cache_clear()
 
 
 def test_indexer_rejects_bad_config_and_inputs():
     with pytest.raises(ValueError, match="index_topk: expected a multiple of index_kpool = 4, got 10"):
         KPoolIndexer(hidden_size=8, q_lora_rank=4, index_n_heads=2, index_head_dim=4, index_topk=10)
-    with pytest.raises(ValueError, match="index_n_heads: expected a positive int, got 0"):
+    with pytest.raises(ValueError, match="index_n_heads: expected >= 1, got 0"):
         KPoolIndexer(hidden_size=8, q_lora_rank=4, index_n_heads=0, index_head_dim=4, index_topk=8)
     m = KPoolIndexer(hidden_size=8, q_lora_rank=4, index_n_heads=2, index_head_dim=4, index_topk=8)
     seq = ShardedSequence.split([0, 5], world_size=1, rank=0)

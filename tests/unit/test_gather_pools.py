@@ -8,9 +8,11 @@ from hypothesis import strategies as st
 
 from sp_kpool import ShardedSequence
 from sp_kpool.backends import BACKENDS, Problem
+from sp_kpool.backends.base import PoolInputs
+from sp_kpool.config import KPoolConfig
 from sp_kpool.comm import CommStats, pack_rows, unpack_rows
 from sp_kpool.pooling import pool_table
-from sp_kpool.seams import pool_shards
+from sp_kpool.pool_gather import pool_shards
 from sp_kpool.testing.dist import run_ranks
 from sp_kpool.testing.problems import make_inputs, shard_inputs
 from sp_kpool.testing.scale_checks import (
@@ -24,15 +26,16 @@ from sp_kpool.testing.scale_checks import (
 
 def _problem(x, seq, k, gates, precision):
     d = shard_inputs(x, seq)
-    return Problem(
-        q=d["q"], head_weights=d["head_weights"], k=k, gates=gates, ape=d["ape"], seq=seq, topk=8, kpool=x.ape.shape[0],
-        tail="fixed", order="ascending", alignment=1, max_logits_bytes=1 << 20, precision=precision,
-    )  # fmt: skip
+    config = KPoolConfig(topk=2 * x.ape.shape[0], kpool=x.ape.shape[0], max_logits_bytes=1 << 20, precision=precision)
+    return Problem(q=d["q"], head_weights=d["head_weights"], k=k, gates=gates, ape=d["ape"], seq=seq, config=config)
+
+
+def _pool(backend, problem, pool_tok_start):
+    return backend.prepare(problem, PoolInputs(problem.k, problem.gates, pool_tok_start), None)[0]
 
 
 def _bytes(pooled):
-    parts = [pooled] if isinstance(pooled, torch.Tensor) else list(pooled)
-    return [p.contiguous().view(torch.uint8) for p in parts]
+    return [p.contiguous().view(torch.uint8) for p in pooled.parts()]
 
 
 def _pools_by_shard(x, world_size, precision):
@@ -42,7 +45,7 @@ def _pools_by_shard(x, world_size, precision):
     k_all = torch.cat([shard_inputs(x, s)["k"] for s in seqs])
     g_all = torch.cat([shard_inputs(x, s)["gates"] for s in seqs])
     pts, _ = pool_table(seqs[0].real_cu_seq_lens, x.ape.shape[0])
-    full = backend.pool(_problem(x, seqs[0], k_all, g_all, precision), pts)
+    full = _pool(backend, _problem(x, seqs[0], k_all, g_all, precision), pts)
     ss = seqs[0].shard_size
     shards = pool_shards(pts, shard_size=ss, world_size=world_size, kpool=x.ape.shape[0])
     parts = []
@@ -54,7 +57,7 @@ def _pools_by_shard(x, world_size, precision):
             continue
         k_ext = torch.cat([k_all[r * ss : (r + 1) * ss], k_all[h0:h1]])
         g_ext = torch.cat([g_all[r * ss : (r + 1) * ss], g_all[h0:h1]])
-        parts.append(backend.pool(_problem(x, seq, k_ext, g_ext, precision), pts[a:b] - r * ss))
+        parts.append(_pool(backend, _problem(x, seq, k_ext, g_ext, precision), pts[a:b] - r * ss))
     assert sum(shards.counts) == pts.numel()
     return parts, full
 

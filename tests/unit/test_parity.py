@@ -9,13 +9,14 @@ import torch
 
 from sp_kpool import KPoolIndexer, ShardedSequence, kpool_topk, serving
 from sp_kpool.backends import BACKENDS
+from sp_kpool.backends.base import ChunkScores
 from sp_kpool.backends.torch_backend import TorchBackend
 from sp_kpool.capture import CaptureError, enable, load_capture, load_capture_set
 from sp_kpool.cli import main
 from sp_kpool.parity import Arm, format_table, make_synthetic_capture, replay, write_outputs
 from sp_kpool.testing.dist import run_ranks
 
-HIDDEN, Q_LORA, H, D, K, T = 32, 24, 8, 16, 4, 16  # D a power of two (fp8); H >= 8 (SPEC 10)
+HIDDEN, Q_LORA, H, D, K, T = 32, 24, 8, 16, 4, 16  # D a power of two (fp8); H >= 8 (contract §9)
 LENGTHS = [37, 22, 9]  # 68 tokens: partial pools, a document too short for a Top-K choice
 #: Relative agreement of our float64 recomputation with the FP32 values in the report.
 REL = 1e-4
@@ -77,10 +78,11 @@ def test_capture_round_trip_keeps_result_and_inputs(captured, tmp_path):
     assert rep["arms"]["B"]["reproduces_captured_ids"] is None  # not the captured arm
 
 
-def test_environment_variable_turns_capture_on(tmp_path, monkeypatch):
-    monkeypatch.setenv("SP_KPOOL_CAPTURE_DIR", str(tmp_path / "env"))
-    monkeypatch.setenv("SP_KPOOL_CAPTURE_CALLS", "2")
-    m = _indexer("bf16")
+def test_environment_variable_turns_capture_on(tmp_path):
+    from sp_kpool.settings import Settings
+
+    env = {"SP_KPOOL_CAPTURE_DIR": str(tmp_path / "env"), "SP_KPOOL_CAPTURE_CALLS": "2"}
+    m = _indexer("bf16", settings=Settings.from_env(env))
     hidden, q_resid = _inputs(12)
     seq = ShardedSequence.split([0, 12], world_size=1, rank=0)
     for _ in range(3):
@@ -89,9 +91,8 @@ def test_environment_variable_turns_capture_on(tmp_path, monkeypatch):
     assert len(names) == 2 and "-call0000." in names[0] and "-call0001." in names[1]
     enable(m, None)
     assert m._capture is None
-    monkeypatch.setenv("SP_KPOOL_CAPTURE_CALLS", "many")
     with pytest.raises(ValueError, match="SP_KPOOL_CAPTURE_CALLS: expected a non-negative integer, got 'many'"):
-        _indexer("bf16")
+        Settings.from_env({**env, "SP_KPOOL_CAPTURE_CALLS": "many"})
 
 
 # ---------------------------------------------------------------- independent numbers
@@ -193,7 +194,7 @@ def test_reported_numbers_match_an_independent_computation(captured, arm_a, arm_
 
     table = format_table(rep)
     assert f"{want_slots:,}" in table
-    assert f"queries whose Top-K pool sets differ" in table and f"{sum(differ)} (" in table
+    assert "queries whose Top-K pool sets differ" in table and f"{sum(differ)} (" in table
     assert f"{d['scores']['rel_l2']:.4g}" in table
     assert "pools, rotated space (as fp8 stores them)" in table and "fp8 rotated back" in table
 
@@ -224,13 +225,12 @@ class _CompactTorch(TorchBackend):
     valid slot of every row."""
 
     name = "compact-test"
-    masks_scores = True
 
     def __init__(self, poison=False):
         self.poison = poison
 
     def score(self, problem, pooled, q, w, lo, hi, starts, ends):
-        full = super().score(problem, pooled, q, w, lo, hi)
+        full = super().score(problem, pooled, q, w, lo, hi).scores
         lens = (ends - starts).long()
         W = max(1, int(lens.max()))
         cols = torch.arange(W)
@@ -238,7 +238,7 @@ class _CompactTorch(TorchBackend):
         local = local.masked_fill(cols[None] >= lens[:, None], -math.inf)
         if self.poison:
             local[:, 0] = torch.where(lens > 0, math.nan, local[:, 0])
-        return local, starts.long()
+        return ChunkScores(local, col_offset=starts.long(), masked=True)
 
 
 def test_backends_resolve_by_name_and_compact_columns_map_back(captured, monkeypatch):
@@ -272,14 +272,13 @@ class _Recording(TorchBackend):
 
 def test_replayed_scores_are_the_drivers_own_calls(tmp_path, monkeypatch):
     """The scores compared are those the selection ranked: replay makes the very
-    ``backend.score`` calls of ``select_rows`` (rank 1 of 2: foreign rows of a chunk are
+    ``backend.score`` calls of the pipeline (rank 1 of 2: foreign rows of a chunk are
     zero with empty ranges)."""
     rec = _Recording()
     monkeypatch.setitem(BACKENDS, "record-test", rec)
     kw = dict(tokens=90, hidden_size=HIDDEN, q_lora_rank=Q_LORA, heads=H, head_dim=D, topk=T, kpool=K)
-    monkeypatch.setenv("SP_KPOOL_MAX_LOGITS_BYTES", "3000")  # 6-row chunks: one straddles the shards
-    paths = make_synthetic_capture(tmp_path, world_size=2, **kw)
-    monkeypatch.delenv("SP_KPOOL_MAX_LOGITS_BYTES")  # the replay uses the captured budget
+    # 6-row chunks: one straddles the shards; the replay uses the captured budget
+    paths = make_synthetic_capture(tmp_path, world_size=2, max_logits_bytes=3000, **kw)
     assert load_capture(paths[1]).meta["max_logits_bytes"] == 3000
     rep = replay(paths[1], "fp8:record-test", "fp8:torch", repeat=False)
     assert rep["diff"]["scores"]["bitwise_equal_slots"] == rep["diff"]["scores"]["compared"] > 0
@@ -331,7 +330,7 @@ def test_live_multi_rank_capture_replays_each_rank(tmp_path):
         rep = replay(f, "bf16-serving:torch", "fp8", repeat=False)
         assert rep["arms"]["A"]["reproduces_captured_ids"] is True
         n = rep["capture"]["real_rows"]
-        assert torch.equal(outs[r][:n], ref[34 * r : 34 * r + n])  # SPEC 7: equal to world size 1
+        assert torch.equal(outs[r][:n], ref[34 * r : 34 * r + n])  # contract §7: equal to world size 1
     assert rep["capture"]["real_rows"] == 33  # the padding row is not a query
     files[1].unlink()
     with pytest.raises(CaptureError, match=r"rank 1 of 2 is needed .* does not exist"):

@@ -13,9 +13,11 @@ from sp_kpool.testing.problems import make_inputs, shard_inputs, simulate_ranks
 
 @pytest.fixture
 def fresh_default():
-    default_precision.cache_clear()
+    from sp_kpool.settings import current_settings
+
+    current_settings.cache_clear()
     yield
-    default_precision.cache_clear()
+    current_settings.cache_clear()
 
 
 def test_env_default_is_read_once(monkeypatch, fresh_default):
@@ -29,7 +31,9 @@ def test_env_default_is_read_once(monkeypatch, fresh_default):
 def test_env_default_unset_and_invalid(monkeypatch, fresh_default):
     monkeypatch.delenv("SP_KPOOL_PRECISION", raising=False)
     assert default_precision() == "bf16"
-    default_precision.cache_clear()
+    from sp_kpool.settings import current_settings
+
+    current_settings.cache_clear()
     monkeypatch.setenv("SP_KPOOL_PRECISION", "int4")
     with pytest.raises(ValueError, match=r"SP_KPOOL_PRECISION: expected one of \['bf16', 'bf16-serving', 'fp8'\], got 'int4'"):
         default_precision()

@@ -223,11 +223,11 @@ def test_serving_order_keeps_the_selector_order_and_drops_invisible():
 
 
 @pytest.mark.parametrize("world_size, rank, budget", [(1, 0, 1 << 20), (3, 1, 40 * 4 * 64), (4, 3, 33 * 4 * 16)])
-def test_stage_tables_match_pool_table_and_row_meta(world_size, rank, budget):
-    # the driver's tables (grid from the document boundaries, pool_tok_start built from
+def test_plan_tables_match_pool_table_and_row_meta(world_size, rank, budget):
+    # the plan's tables (grid from the document boundaries, pool_tok_start built from
     # [cu, offsets, shifts]) against pool_table / row_meta on the host
     from sp_kpool.backends import BACKENDS
-    from sp_kpool.backends.base import stage_tables
+    from sp_kpool.plan import plan_chunks
     from sp_kpool.testing.problems import rank_slice_problem
 
     lengths = [3, 0, 11, 1, 17, 4, 9]
@@ -235,16 +235,17 @@ def test_stage_tables_match_pool_table_and_row_meta(world_size, rank, budget):
         p = rank_slice_problem(sum(lengths), world_size, rank, heads=2, head_dim=8, kpool=kpool, topk=4 * kpool,
                                lengths=lengths, device="cpu", max_logits_bytes=budget)  # fmt: skip
         lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
-        st = stage_tables(BACKENDS["torch"], p, lo, hi)
         starts, offs = pool_table(p.seq.real_cu_seq_lens, kpool)
+        C = BACKENDS["torch"].chunk_rows(p, starts.numel())
+        st = plan_chunks(p.seq, kpool, C, lo, hi, torch.device("cpu"), cache=False)
         assert st.num_pools == starts.numel() and torch.equal(st.pool_tok_start, starts)
         assert torch.equal(st.offs, offs) and torch.equal(st.cu, p.seq.real_cu_seq_lens)
-        assert [g[0] for g in st.grid] == list(range((lo // st.C) * st.C, hi, st.C))
-        for i, (g0, g1, plo, phi) in enumerate(st.grid):
-            m = row_meta(torch.tensor([g0, g1 - 1]), p.seq.real_cu_seq_lens, offs, kpool)
-            assert g1 == min(g0 + st.C, p.seq.num_real_tokens)
-            assert (plo, phi) == (int(m.pool_lo[0]), int(m.pool_hi[1]))
-            assert st.bounds[i].tolist() == [plo, phi]
+        assert [c.first for c in st.chunks] == list(range((lo // C) * C, hi, C))
+        for i, c in enumerate(st.chunks):
+            m = row_meta(torch.tensor([c.first, c.end - 1]), p.seq.real_cu_seq_lens, offs, kpool)
+            assert c.index == i and c.end == min(c.first + C, p.seq.num_real_tokens)
+            assert (c.pool_lo, c.pool_hi) == (int(m.pool_lo[0]), int(m.pool_hi[1]))
+            assert st.bounds[i].tolist() == [c.pool_lo, c.pool_hi]
 
 
 def test_no_complete_pools_with_a_tiny_budget_gives_empty_rows_on_every_rank():
@@ -261,87 +262,91 @@ def test_no_complete_pools_with_a_tiny_budget_gives_empty_rows_on_every_rank():
         assert torch.equal(out[: ref.shape[0]], ref)
 
 
-def _rank_problems(x, world_size, **opts):
-    from sp_kpool.backends.base import Problem
-
-    seqs = [ShardedSequence.split(x.cu_seq_lens, world_size=world_size, rank=r) for r in range(world_size)]
-    local = [shard_inputs(x, s) for s in seqs]
-    k_all, g_all = torch.cat([d["k"] for d in local]), torch.cat([d["gates"] for d in local])
-    base = dict(tail="fixed", order="ascending", alignment=1)
-    base.update(opts)
-    return [Problem(q=d["q"], head_weights=d["head_weights"], k=k_all, gates=g_all, ape=d["ape"], seq=s, **base)
-            for s, d in zip(seqs, local)]  # fmt: skip
+_PREPARED_X = dict(lengths=[37, 3, 60, 1, 29], heads=3, head_dim=8, kpool=4, seed=5)
+_PREPARED_OPTS = dict(topk=16, kpool=4, max_logits_bytes=20 * 32 * 7)  # chunks of a few rows
 
 
-def _prepared_cases():
-    """``(world_size, rank problems, world-size-1 output of the torch backend)`` for the
-    prepared-rows tests: five documents, chunks of a few rows, world sizes 1, 2, 3 and 5."""
-    from sp_kpool.backends.torch_backend import TorchBackend
+def _prepared_cases(monkeypatch, backend):
+    """``(world_size, rank outputs with backend, world-size-1 output of the torch backend,
+    the rank sequences)`` for the prepared-rows tests: five documents, chunks of a few
+    rows, world sizes 1, 2, 3 and 5. ``backend`` is registered as ``"custom"``."""
+    from sp_kpool.backends import BACKENDS
+    from sp_kpool.testing.problems import simulate_ranks
 
-    x = make_inputs([37, 3, 60, 1, 29], heads=3, head_dim=8, kpool=4, seed=5)
-    opts = dict(topk=16, kpool=4, max_logits_bytes=20 * 32 * 7)  # chunks of a few rows
-    ref = torch.cat([TorchBackend().run(p) for p in _rank_problems(x, 1, **opts)])
+    monkeypatch.setitem(BACKENDS, "custom", backend)
+    x = make_inputs(_PREPARED_X["lengths"], **{k: v for k, v in _PREPARED_X.items() if k != "lengths"})
+    ref = torch.cat(simulate_ranks(x, 1, **_PREPARED_OPTS))
     for ws in (1, 2, 3, 5):
-        yield ws, _rank_problems(x, ws, **opts), ref
+        seqs = [ShardedSequence.split(x.cu_seq_lens, world_size=ws, rank=r) for r in range(ws)]
+        yield ws, simulate_ranks(x, ws, backend="custom", **_PREPARED_OPTS), ref, seqs
 
 
-def test_driver_scores_prepared_rows_once():
-    # a backend whose preparation changes the rows (channels reversed; score_prepared
-    # reverses them back): the driver must prepare each call's rows exactly once and pass
-    # the prepared rows (views of whole chunks, zero-padded copies of partial ones) to
-    # score_prepared; the result equals the plain backend at every world size
+def _flipped(queries):
+    """Query rows with their channels reversed (the test backends' score reverses them back)."""
+    from sp_kpool.backends.base import QueryInputs
+
+    return QueryInputs(queries.q.flip(-1), queries.w.flip(-1), queries.row, queries.before, queries.after)
+
+
+def _real_rows(seq):
+    return seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
+
+
+def test_pipeline_prepares_rows_once(monkeypatch):
+    # a backend whose preparation changes the rows (channels reversed; score reverses them
+    # back): the pipeline must prepare each call's rows exactly once and pass the prepared
+    # rows (views of whole chunks, zero-padded copies of partial ones) to score; the result
+    # equals the plain backend at every world size
     from sp_kpool.backends.torch_backend import TorchBackend
 
     calls = []
 
     class Flipped(TorchBackend):
-        def prepare_queries(self, problem, q, w):
-            calls.append(q.shape[0])
-            return q.flip(-1), w.flip(-1)
+        def prepare(self, problem, pools, queries):
+            calls.append(queries.q.shape[0])
+            return super().prepare(problem, pools, _flipped(queries))
 
-        def score_prepared(self, problem, pooled, q, w, lo, hi, starts, ends):
-            return self.score(problem, pooled, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
+        def score(self, problem, pools, q, w, lo, hi, starts=None, ends=None):
+            return super().score(problem, pools, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
 
-    for _ws, probs, ref in _prepared_cases():
-        calls.clear()
-        out = torch.cat([Flipped().run(p) for p in probs])
-        assert torch.equal(out[: ref.shape[0]], ref)
-        n_real = [max(0, min(p.seq.shard_end, p.seq.num_real_tokens) - p.seq.shard_start) for p in probs]
+    for _ws, out, ref, seqs in _prepared_cases(monkeypatch, Flipped()):
+        assert torch.equal(torch.cat(out)[: ref.shape[0]], ref)
+        n_real = [b - a for a, b in map(_real_rows, seqs)]
         assert calls == [n for n in n_real if n > 0]  # once per rank that has real rows
+        calls.clear()
 
 
-def test_driver_scores_padded_prepared_rows_from_views():
-    # a backend that writes the zero rows around its prepared rows itself
-    # (pads_prepared): every chunk's scoring call gets a view of the one prepared buffer
-    # (no copies), laid out on the global chunk grid, and the result equals the plain
-    # backend at every world size
-    from sp_kpool.backends.base import grid_span
+def test_pipeline_scores_padded_prepared_rows_from_views(monkeypatch):
+    # a backend that writes the zero rows around its prepared rows itself: every chunk's
+    # scoring call gets a view of the one prepared buffer (no copies), laid out on the
+    # global chunk grid, and the result equals the plain backend at every world size
+    from sp_kpool.backends.base import Queries
     from sp_kpool.backends.torch_backend import TorchBackend
+    from sp_kpool.plan import grid_span
 
     seen = []
 
     class Padded(TorchBackend):
-        pads_prepared = True
+        def prepare(self, problem, pools, queries):
+            pooled, _ = super().prepare(problem, pools, None)
+            b, a = queries.before, queries.after
+            qp = torch.nn.functional.pad(queries.q.flip(-1), (0, 0, 0, 0, b, a), value=0.0)
+            wp = torch.nn.functional.pad(queries.w.flip(-1), (0, 0, b, a), value=0.0)
+            seen.append({"q": qp, "w": wp, "before": b, "after": a, "chunks": []})
+            return pooled, Queries(qp, wp, queries.row - b)
 
-        def prepare_queries(self, problem, q, w, before=0, after=0):
-            qp = torch.nn.functional.pad(q.flip(-1), (0, 0, 0, 0, before, after), value=0.0)
-            wp = torch.nn.functional.pad(w.flip(-1), (0, 0, before, after), value=0.0)
-            seen.append({"q": qp, "w": wp, "before": before, "after": after, "chunks": []})
-            return qp, wp
-
-        def score_prepared(self, problem, pooled, q, w, lo, hi, starts, ends):
+        def score(self, problem, pools, q, w, lo, hi, starts=None, ends=None):
             seen[-1]["chunks"].append((q, w))
-            return self.score(problem, pooled, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
+            return super().score(problem, pools, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
 
     padded_somewhere = False
-    for _ws, probs, ref in _prepared_cases():
-        seen.clear()
-        out = torch.cat([Padded().run(p) for p in probs])
-        assert torch.equal(out[: ref.shape[0]], ref)
-        real = [p for p in probs if min(p.seq.shard_end, p.seq.num_real_tokens) > p.seq.shard_start]
-        assert len(seen) == len(real)  # once per rank with real rows
-        for p, s in zip(real, seen):
-            lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
+    for _ws, out, ref, seqs in _prepared_cases(monkeypatch, Padded()):
+        assert torch.equal(torch.cat(out)[: ref.shape[0]], ref)
+        real = [s for s in seqs if _real_rows(s)[1] > _real_rows(s)[0]]
+        mine, seen[:] = seen[:], []
+        assert len(mine) == len(real)  # once per rank with real rows
+        for seq, s in zip(real, mine):
+            lo, hi = _real_rows(seq)
             C = s["chunks"][0][0].shape[0]
             assert (lo - s["before"], hi + s["after"]) == grid_span(C, lo, hi)
             padded_somewhere |= s["before"] + s["after"] > 0
@@ -352,153 +357,85 @@ def test_driver_scores_padded_prepared_rows_from_views():
     assert padded_somewhere  # the split puts shard edges inside chunks
 
 
-def test_driver_pools_and_prepares_in_one_step():
-    # a backend with pools_with_queries: the driver calls pool_and_prepare once per rank that
-    # has rows and pools (never pool or prepare_queries separately), its prepared rows laid
-    # on the global chunk grid as prepare_rows lays them; the result equals the plain backend
-    # at every world size. Gathered pools (pooled given) take the separate path.
-    from sp_kpool.backends.base import _geometry, grid_span
+def test_pipeline_pools_and_prepares_in_one_step(monkeypatch):
+    # the pipeline asks for the pools and the queries in one prepare call per rank that has
+    # rows and pools, the queries' zero rows laid out to the global chunk grid; the result
+    # equals the plain backend at every world size. Gathered pools (gather="pools") are not
+    # built again: prepare is asked for the queries only.
     from sp_kpool.backends.torch_backend import TorchBackend
-    from sp_kpool.pooling import pool_table
+    from sp_kpool.pipeline import num_pools
+    from sp_kpool.plan import grid_span
 
     calls = []
 
-    def flip_pad(q, w, before, after):  # channels reversed (score_prepared reverses them back), zero rows around
-        pad = torch.nn.functional.pad
-        return pad(q.flip(-1), (0, 0, 0, 0, before, after), value=0.0), pad(w.flip(-1), (0, 0, before, after), value=0.0)
-
     class Fused(TorchBackend):
-        pads_prepared = True
-        pools_with_queries = True
+        def prepare(self, problem, pools, queries):
+            calls.append((pools is not None, queries.q.shape[0] if queries is not None else None,
+                          queries.before if queries else None, queries.after if queries else None))
+            return super().prepare(problem, pools, queries)
 
-        def pool(self, problem, pool_tok_start):
-            raise AssertionError("pool called separately")
-
-        def prepare_queries(self, problem, q, w, before=0, after=0):
-            raise AssertionError("prepare_queries called separately")
-
-        def pool_and_prepare(self, problem, pool_tok_start, q, w, before=0, after=0):
-            calls.append((q.shape[0], before, after))
-            return (TorchBackend.pool(self, problem, pool_tok_start), *flip_pad(q, w, before, after))
-
-        def score_prepared(self, problem, pooled, q, w, lo, hi, starts, ends):
-            return self.score(problem, pooled, q.flip(-1), w.flip(-1), lo, hi, starts, ends)
-
-    for _ws, probs, ref in _prepared_cases():
-        calls.clear()
-        out = torch.cat([Fused().run(p) for p in probs])
-        assert torch.equal(out[: ref.shape[0]], ref)
-        real = [p for p in probs if min(p.seq.shard_end, p.seq.num_real_tokens) > p.seq.shard_start]
-        assert len(calls) == len(real)
-        for p, (rows, before, after) in zip(real, calls):
-            lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
-            assert rows == hi - lo and (lo - before, hi + after) == grid_span(_geometry(Fused(), p)[2], lo, hi)
-
-    class Separate(Fused):
-        def prepare_queries(self, problem, q, w, before=0, after=0):
-            calls.append("prepare")
-            return flip_pad(q, w, before, after)
-
-        def pool_and_prepare(self, problem, pool_tok_start, q, w, before=0, after=0):
-            raise AssertionError("pool_and_prepare called with gathered pools")
-
-    _ws, probs, ref = list(_prepared_cases())[1]
+    for _ws, out, ref, seqs in _prepared_cases(monkeypatch, Fused()):
+        assert torch.equal(torch.cat(out)[: ref.shape[0]], ref)
+        real = [s for s in seqs if _real_rows(s)[1] > _real_rows(s)[0]]
+        mine, calls[:] = calls[:], []
+        assert len(mine) == len(real)
+        C = TorchBackend().chunk_rows(_problem_for(seqs[0]), num_pools(seqs[0], 4))
+        for seq, (both, rows, before, after) in zip(real, mine):
+            lo, hi = _real_rows(seq)
+            assert both and rows == hi - lo and (lo - before, hi + after) == grid_span(C, lo, hi)
+    x = make_inputs(_PREPARED_X["lengths"], **{k: v for k, v in _PREPARED_X.items() if k != "lengths"})
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
     calls.clear()
-    outs = []
-    for p in probs:
-        starts, _ = pool_table(p.seq.real_cu_seq_lens, p.kpool)
-        outs.append(Separate().run(p, pooled=TorchBackend().pool(p, starts)))
-    assert torch.equal(torch.cat(outs)[: ref.shape[0]], ref) and calls.count("prepare") == len(probs)
-
-    # a subclass that overrides pool and prepare_queries but not pool_and_prepare inherits
-    # the flag: its overrides are used, step by step (not the inherited one step)
-    class Overrides(Fused):
-        def pool(self, problem, pool_tok_start):
-            calls.append("pool")
-            return TorchBackend.pool(self, problem, pool_tok_start)
-
-        def prepare_queries(self, problem, q, w, before=0, after=0):
-            calls.append("prepare")
-            return flip_pad(q, w, before, after)
-
-    calls.clear()
-    out = torch.cat([Overrides().run(p) for p in probs])
+    out = kpool_topk(**shard_inputs(x, seq), seq=seq, gather="pools", backend="custom", **_PREPARED_OPTS)
     assert torch.equal(out[: ref.shape[0]], ref)
-    assert calls.count("pool") == calls.count("prepare") == len(probs) and len(calls) == 2 * len(probs)
+    assert [c[0] for c in calls] == [True, False] and calls[0][1] is None  # local pools, then the queries alone
 
 
-def test_pads_prepared_without_before_after_is_refused():
-    # a subclass that overrides prepare_queries without before= / after= but inherits
-    # pads_prepared = True: a clear error, not a TypeError from deep in the driver
-    from sp_kpool.backends.torch_backend import TorchBackend
+def _problem_for(seq):
+    from sp_kpool.backends.base import Problem
+    from sp_kpool.config import KPoolConfig
 
-    class Padded(TorchBackend):
-        pads_prepared = True
-
-        def prepare_queries(self, problem, q, w, before=0, after=0):
-            return q, w
-
-        def score_prepared(self, problem, pooled, q, w, lo, hi, starts, ends):
-            return self.score(problem, pooled, q, w, lo, hi, starts, ends)
-
-    class Forgot(Padded):
-        def prepare_queries(self, problem, q, w):
-            return q, w
-
-    p = _rank_problems(make_inputs([40], heads=2, head_dim=8, kpool=4), 2, topk=8, kpool=4, max_logits_bytes=1 << 20)[1]
-    with pytest.raises(TypeError, match=r"pads_prepared is set, so prepare_queries must take before= and after="):
-        Forgot().run(p)
-
-
-def test_prepare_queries_without_score_prepared_is_refused():
-    from sp_kpool.backends.torch_backend import TorchBackend
-
-    class Half(TorchBackend):
-        def prepare_queries(self, problem, q, w):
-            return q, w
-
-    p = _rank_problems(make_inputs([40], heads=2, head_dim=8, kpool=4), 1, topk=8, kpool=4, max_logits_bytes=1 << 20)[0]
-    with pytest.raises(TypeError, match="must be overridden together"):
-        Half().run(p)
+    z = torch.zeros
+    return Problem(q=z(seq.shard_size, 3, 8), head_weights=z(seq.shard_size, 3), k=z(1, 8), gates=z(1, 8),
+                   ape=z(4, 8), seq=seq, config=KPoolConfig(**_PREPARED_OPTS))  # fmt: skip
 
 
 def test_reference_slice_problem_is_rank_3_of_4():
-    from sp_kpool.backends.base import default_max_logits_bytes
+    from sp_kpool.settings import current_settings
     from sp_kpool.testing.problems import rank_slice_problem, reference_slice_problem
 
     p = reference_slice_problem(4, "fp8", total=64, seed=2, device="cpu")
     q = rank_slice_problem(64, 4, 3, heads=4, head_dim=128, topk=2048, precision="fp8", seed=2, device="cpu",
-                           max_logits_bytes=default_max_logits_bytes("cpu"))  # fmt: skip
+                           max_logits_bytes=current_settings().logits_budget("cpu"))  # fmt: skip
     assert (p.seq.shard_start, p.seq.shard_end, p.precision, p.max_logits_bytes) == (48, 64, "fp8", q.max_logits_bytes)
     assert torch.equal(p.q, q.q) and torch.equal(p.k, q.k)
 
 
-def test_default_path_pools_once_in_the_driver(monkeypatch):
-    # gather="keys" without balance: kpool_topk leaves pooling to the driver, which pools
-    # once from the table it stages on the device (equal to pool_table), with no second
-    # host-to-device copy of the table
-    import sp_kpool.backends.base as base
+def test_default_path_pools_once_in_the_pipeline(monkeypatch):
+    # gather="keys" without balance: the pipeline pools once, from the table its plan
+    # stages on the device (equal to pool_table), with no second host-to-device copy
+    import sp_kpool.pipeline as pipeline
     from sp_kpool.backends import BACKENDS
 
     be = BACKENDS["torch"]
-    seen, staged = [], []
-    orig_pool, orig_stage = type(be).pool, base.stage_tables
+    seen, planned = [], []
+    orig_prepare, orig_plan = type(be).prepare, pipeline.plan_chunks
 
-    def pool(self, problem, pts):
-        seen.append(pts)
-        return orig_pool(self, problem, pts)
+    def prepare(self, problem, pools, queries):
+        seen.append(pools.pool_tok_start)
+        return orig_prepare(self, problem, pools, queries)
 
-    def stage_tables(*args):
-        staged.append(orig_stage(*args))
-        return staged[-1]
+    def plan_chunks(*args, **kw):
+        planned.append(orig_plan(*args, **kw))
+        return planned[-1]
 
-    monkeypatch.setattr(type(be), "pool", pool)
-    monkeypatch.setattr(base, "stage_tables", stage_tables)
+    monkeypatch.setattr(type(be), "prepare", prepare)
+    monkeypatch.setattr(pipeline, "plan_chunks", plan_chunks)
     x = make_inputs([37, 4, 50], heads=4, head_dim=16, kpool=4, seed=3)
     seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
     kpool_topk(**shard_inputs(x, seq), seq=seq, topk=8, backend="torch")
-    assert len(seen) == 1 and len(staged) == 1
-    assert seen[0] is staged[0].pool_tok_start
+    assert len(seen) == 1 and len(planned) == 1
+    assert seen[0] is planned[0].pool_tok_start
     assert torch.equal(seen[0], pool_table(seq.real_cu_seq_lens, 4)[0])
 
 
@@ -509,55 +446,57 @@ def test_to_device_returns_a_tensor_already_there():
     assert to_device(t, "cpu") is t and to_device(t, torch.device("cpu")) is t
 
 
-def test_driver_tables_are_cached_by_value_and_give_the_same_answer(monkeypatch):
-    # a second call with the same document boundaries reuses the staged tables (and the
-    # row ranges and row metadata the driver stores on them); other boundaries, another
-    # kpool or an in-place change of cu_seq_lens build new ones; answers are equal to the
-    # uncached driver's
-    import sp_kpool.backends.base as base
-    from sp_kpool.backends import BACKENDS
+def test_plans_are_cached_on_the_sequence_by_value_and_give_the_same_answer(monkeypatch):
+    # a second call on the same sequence reuses its plan (and the row ranges and row
+    # metadata the plan keeps); other boundaries, another kpool or an in-place change of
+    # cu_seq_lens build new ones; answers are equal to the uncached pipeline's
+    import sp_kpool.plan as plan_mod
+    from sp_kpool.pipeline import run_gathered
+    from sp_kpool.settings import Settings
     from sp_kpool.testing.problems import rank_slice_problem
 
-    be = BACKENDS["torch"]
-    base.clear_table_cache()
     built = []
-    orig = base.to_device
+    orig = plan_mod.to_device
 
-    def to_device(t, device):  # the one host-to-device copy of every table build
+    def to_device(t, device):  # the one host-to-device copy of every plan build
         built.append(t)
         return orig(t, device)
 
-    monkeypatch.setattr(base, "to_device", to_device)
+    monkeypatch.setattr(plan_mod, "to_device", to_device)
+    problems = {}
 
-    def call(lengths, kpool=4):  # rank 1 of 2, several chunks
-        p = rank_slice_problem(sum(lengths), 2, 1, heads=2, head_dim=8, kpool=kpool, topk=4 * kpool, lengths=lengths,
-                               device="cpu", max_logits_bytes=2048)  # fmt: skip
-        return be.run(p)
+    def call(lengths, kpool=4, settings=None):  # rank 1 of 2, several chunks; one sequence object per case
+        key = (tuple(lengths), kpool)
+        if key not in problems:
+            problems[key] = rank_slice_problem(sum(lengths), 2, 1, heads=2, head_dim=8, kpool=kpool, topk=4 * kpool,
+                                               lengths=lengths, device="cpu", max_logits_bytes=2048)  # fmt: skip
+        p = problems[key]
+        inputs = dict(q=p.q, head_weights=p.head_weights, k=p.k, gates=p.gates, ape=p.ape)
+        return run_gathered(inputs, p.seq, p.config, settings=settings)
 
     first = call([37, 4, 50])
     assert len(built) == 1
-    st = next(reversed(base._TABLES.values()))
-    assert st.ranges is not None and st.meta is not None and len(st.grid) > 1
+    plan = first.plan
+    assert plan._ranges is not None and plan._meta is not None and len(plan.chunks) > 1
     again = call([37, 4, 50])
-    assert len(built) == 1 and torch.equal(first, again)
+    assert len(built) == 1 and torch.equal(first.ids, again.ids) and again.plan is plan
     other = call([40, 1, 50])  # same total, other boundaries
     assert len(built) == 2
     call([37, 4, 50], kpool=2)
     assert len(built) == 3
-    monkeypatch.setenv("SP_KPOOL_TABLE_CACHE", "0")
-    assert torch.equal(call([37, 4, 50]), first) and torch.equal(call([40, 1, 50]), other)
+    off = Settings(table_cache=False)
+    assert torch.equal(call([37, 4, 50], settings=off).ids, first.ids)
+    assert torch.equal(call([40, 1, 50], settings=off).ids, other.ids)
     assert len(built) == 5
-    monkeypatch.setenv("SP_KPOOL_TABLE_CACHE", "yes")
     with pytest.raises(ValueError, match="SP_KPOOL_TABLE_CACHE: expected 0 or 1, got 'yes'"):
-        call([37, 4, 50])
-    monkeypatch.delenv("SP_KPOOL_TABLE_CACHE")
-    # the key is the boundaries' values: an in-place change of cu_seq_lens is a new key
+        Settings.from_env({"SP_KPOOL_TABLE_CACHE": "yes"})
+    # the key holds the boundaries' values: an in-place change of cu_seq_lens is a new key
     x = make_inputs([37, 4, 50], heads=4, head_dim=16, kpool=4, seed=5)
     seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
     n = len(built)
     kpool_topk(**shard_inputs(x, seq), seq=seq, topk=16, backend="torch")
     seq.cu_seq_lens[1] = 30  # the same object, other boundaries
     kpool_topk(**shard_inputs(x, seq), seq=seq, topk=16, backend="torch")
-    assert len(built) == n + 2
-    base.clear_table_cache()
-    assert not base._TABLES
+    assert len(built) == n + 2 and len(seq.tables) == 2
+    seq.tables.clear()
+    assert len(seq.tables) == 0

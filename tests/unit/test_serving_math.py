@@ -1,7 +1,7 @@
-"""FP8 serving arithmetic (SPEC section 6) against independent step-by-step references.
+"""FP8 serving arithmetic (contract §6) against independent step-by-step references.
 
 Nothing here calls one ``sp_kpool.serving`` helper to check another: the references are
-written from the SPEC text with NumPy scalar/column loops (FP32 butterflies, UE8M0 by a
+written from the contract (docs/contract.md) with NumPy scalar/column loops (FP32 butterflies, UE8M0 by a
 loop over powers of two, E4M3 and BF16 rounding from their bit layouts, per-pool
 compression loops) or in float64. FP8 values and scales are compared bitwise.
 """
@@ -21,7 +21,7 @@ from sp_kpool import serving
 #: FP32 unit roundoff.
 U32 = 2.0**-24
 #: Decode compression vs a float64 softmax: FP32 exp (<= 1 ulp), K sequential adds and one
-#: division give a few 1e-7 on keys in [-1, 1]; the SPEC contract asks for 1e-6.
+#: division give a few 1e-7 on keys in [-1, 1]; the contract asks for 1e-6.
 COMPRESS_TOL = 1e-6
 #: Smallest UE8M0 scale: fp32(1e-4) / 448 ~ 2.23e-7 rounds up to 2^-22.
 MIN_SCALE = 2.0**-22
@@ -422,7 +422,7 @@ def test_scores_bf16_serving_vs_float64_and_fp8_arm():
     ref = (wd[:, :, None] * (dots * d**-0.5).relu()).sum(1)
     mag = (wd.abs()[:, :, None] * torch.einsum("thd,pd->thp", qd.abs(), pd.abs()) * d**-0.5).sum(1)
     assert ((got.double() - ref).abs() <= _accum_bound(mag, d + h + 4)).all()
-    # The FP8 arm scores the same pools after a rotation: close, not equal (SPEC 6).
+    # The FP8 arm scores the same pools after a rotation: close, not equal (contract §6).
     k8, ks = serving.prepare_pools_fp8(k, gates, ape, starts)
     q8, wp = serving.prepare_queries_fp8(q, w)
     fp8 = serving.mqa_logits_fp8_reference(q8, wp, k8, ks).double()

@@ -94,4 +94,4 @@ def test_indexer_scale_keywords_change_no_bit():
     hidden, q_resid = torch.randn(77, 32, generator=g), torch.randn(77, 16, generator=g)
     seq = ShardedSequence.split([0, 40, 77], world_size=1, rank=0)
     assert torch.equal(plain(hidden, q_resid, seq), scaled(hidden, q_resid, seq))
-    assert scaled.options["gather"] == "pools" and scaled.options["balance"] == "causal"
+    assert scaled.options.gather == "pools" and scaled.options.balance == "causal"

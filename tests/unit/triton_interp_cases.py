@@ -390,7 +390,7 @@ def test_streamed_blocks_with_small_k():
     ([1] * 30 + [200], 4, 50, 17, 230),
 ])
 def test_chunk_row_ranges_equal_the_torch_arithmetic(lengths, kpool, C, lo, hi):
-    from sp_kpool.backends.base import row_ranges_torch
+    from sp_kpool.plan import row_ranges_torch
 
     cu = torch.tensor([0] + lengths).cumsum(0)
     starts, offs = pool_table(cu, kpool)
@@ -406,7 +406,7 @@ def test_chunk_row_ranges_equal_the_torch_arithmetic(lengths, kpool, C, lo, hi):
 def test_chunk_row_ranges_random_layouts():
     import random
 
-    from sp_kpool.backends.base import row_ranges_torch
+    from sp_kpool.plan import row_ranges_torch
 
     rng = random.Random(3)
     for _ in range(40):

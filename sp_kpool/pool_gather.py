@@ -1,4 +1,4 @@
-"""Pool, then gather (``gather="pools"``): each rank pools the pools that start in its shard.
+"""``gather="pools"``: pool, then gather: each rank pools the pools that start in its shard.
 
 The gather-keys path all-gathers ``k`` and ``gates`` (``2 * S * D`` values) and every rank
 pools the whole sequence. Here every rank pools only the pools whose first token lies in
@@ -21,14 +21,21 @@ pools a rank builds, and which seam rows it needs, are pure functions of the glo
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ._device import to_device
-from .comm import CommStats, all_gather_uneven_rows, exchange_rows, pack_rows, unpack_rows
+from .backends.base import PoolInputs, Pools
+from .comm import (
+    CommStats,
+    all_gather_uneven_rows,
+    exchange_rows,
+    pack_rows,
+    unpack_rows,
+)
+from .timing import stage
 
 __all__ = ["PoolShards", "pool_shards", "gather_pools"]
 
@@ -67,12 +74,6 @@ def pool_shards(pool_tok_start: torch.Tensor, *, shard_size: int, world_size: in
     return PoolShards(first=tuple(first), halo=tuple(halo))
 
 
-def _as_list(pooled: Any) -> tuple[list[torch.Tensor], bool]:
-    if isinstance(pooled, torch.Tensor):
-        return [pooled], False
-    return list(pooled), True
-
-
 def _seam_rows(problem: Any, shards: PoolShards, stats: CommStats | None) -> tuple[torch.Tensor, torch.Tensor]:
     """This shard's keys and gates followed by the seam rows its last pool needs from the
     right; sends the rows other ranks need from this shard (one ``batch_isend_irecv``)."""
@@ -103,20 +104,17 @@ def _seam_rows(problem: Any, shards: PoolShards, stats: CommStats | None) -> tup
     return torch.cat(k_parts), torch.cat(g_parts)
 
 
-def _pool_local(backend: Any, problem: Any, k_ext, g_ext, local: torch.Tensor) -> Any:
-    """``backend.pool`` of the pools at rows ``local`` of ``k_ext``/``g_ext``. With no pool
-    here, one zero pool is built for the representation (dtypes, widths) and dropped, so
-    that every rank contributes rows of the same layout to the all-gather."""
+def _pool_local(backend: Any, problem: Any, k_ext, g_ext, local: torch.Tensor) -> Pools:
+    """The pools at rows ``local`` of ``k_ext``/``g_ext``. With no pool here, one zero pool
+    is built for the representation (dtypes, widths) and dropped, so that every rank
+    contributes rows of the same layout to the all-gather."""
     if local.numel():
-        return backend.pool(dataclasses.replace(problem, k=k_ext, gates=g_ext), local)
+        return backend.prepare(problem, PoolInputs(k_ext, g_ext, local), None)[0]
     kpool, device = problem.kpool, problem.device
     zk = k_ext.new_zeros((kpool, k_ext.shape[1]))
     zg = g_ext.new_zeros((kpool, g_ext.shape[1]))
     one = torch.zeros(1, dtype=torch.int64, device=device)
-    pooled = backend.pool(dataclasses.replace(problem, k=zk, gates=zg), one)
-    parts, is_seq = _as_list(pooled)
-    parts = [t[:0] for t in parts]
-    return type(pooled)(parts) if is_seq else parts[0]
+    return backend.prepare(problem, PoolInputs(zk, zg, one), None)[0][:0]
 
 
 def gather_pools(
@@ -125,22 +123,19 @@ def gather_pools(
     pool_tok_start: torch.Tensor,
     *,
     stats: CommStats | None = None,
-) -> Any:
+) -> Pools | None:
     """Pooled keys of all ``P`` pools, built per shard and all-gathered.
 
     Args:
-        backend: the resolved backend (its ``pool`` builds the local pools).
+        backend: the resolved backend (its ``prepare`` builds the local pools).
         problem: the call, with ``k``/``gates`` this rank's ``[S_local, D]`` shards.
         pool_tok_start: ``[P]`` int64 (CPU), the global pool table.
         stats: bytes counter (tags ``seam`` and ``gather_pools``).
 
-    Returns what ``backend.pool`` returns for all ``P`` pools (a ``[P, D]`` tensor, or a
-    tuple such as FP8 ``(k8 [P, D], k_scale [P])``), on ``problem.device``, or ``None``
-    when there is no complete pool at all. Stages timed into ``problem.stage_times`` (when
-    set): ``seam``, ``pool``, ``gather``.
+    Returns the :class:`~sp_kpool.backends.base.Pools` of all ``P`` pools on
+    ``problem.device``, or ``None`` when there is no complete pool at all. Stages timed
+    into ``problem.stage_times`` (when set): ``seam``, ``pool``, ``gather``.
     """
-    from .backends.base import stage
-
     seq = problem.seq
     if pool_tok_start.numel() == 0:
         return None
@@ -155,8 +150,6 @@ def gather_pools(
     if R == 1:
         return pooled
     with stage(problem, "gather"):
-        parts, is_seq = _as_list(pooled)
-        buf, layout = pack_rows(parts)  # one collective for values and scales
+        buf, layout = pack_rows(pooled.parts())  # one collective for values and scales
         full = all_gather_uneven_rows(buf, shards.counts, seq, stats=stats, tag="gather_pools")
-        parts = unpack_rows(full, layout)
-    return type(pooled)(parts) if is_seq else parts[0]
+        return Pools.from_parts(unpack_rows(full, layout))

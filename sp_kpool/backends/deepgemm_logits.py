@@ -1,4 +1,4 @@
-"""Logits memory of DeepGEMM-style MQA scoring (SPEC 8), and the chunking it implies.
+"""Logits memory of DeepGEMM-style MQA scoring (contract §8), and the chunking it implies.
 
 ``fp8_mqa_logits`` pads query rows to a multiple of ``128 / H`` and allocates FP32 logits
 with a row stride that depends on the column layout:

@@ -1,0 +1,327 @@
+"""The operator's data path, top to bottom (what :func:`sp_kpool.kpool_topk` runs).
+
+:func:`run` lists the stages in data order, one function each:
+
+1. **validate and agree** (:func:`validate_and_agree`): local checks, the config resolved
+   against the settings, the backend resolved, the balance partition and the scoring
+   chunk computed from global quantities; then one small all-gather checks that every
+   rank agrees (or every rank raises the same error) before any data moves;
+2. **gather**: keys and gates all-gathered (``gather="keys"``), or pools built per shard
+   and their pooled keys all-gathered (``gather="pools"``, :mod:`sp_kpool.pool_gather`);
+3. **partition**: with ``balance="causal"`` the query rows move to the rank that scores
+   them (:mod:`sp_kpool.balance`);
+4. **plan**: the chunk grid of the rows scored here and its tables (:mod:`sp_kpool.plan`);
+5. **pool and prepare**: the backend's pools (unless gathered) and prepared query rows,
+   in one step (:meth:`~sp_kpool.backends.base.Backend.prepare`);
+6. **score and select**: chunk by chunk (:mod:`sp_kpool.scoring`);
+7. **route back**: selected pools return to the rows' owners (balanced calls only);
+8. **expand**: pools to token ids, the tail, the column layout
+   (:func:`sp_kpool.selection.assemble`).
+
+Host latency
+------------
+On a GPU the host runs ahead of the device, and a cold call's device waits for the host's
+first scoring launch; the stages are arranged so that the host reaches it soon:
+
+* the plan's tables are built by host arithmetic on the document boundaries and copied
+  with **one** non-blocking copy (pinned memory: a pageable copy would wait for every
+  kernel queued before it), and cached on the sequence, so later layers skip them;
+* pools and queries are prepared in one launch where the backend can (FP8: one Triton
+  kernel), and the FP8 query kernel writes the zero rows of the chunk grid itself, so
+  chunks are scored from views (no padded copies);
+* chunks scored from views are launched first; the output rows are allocated after the
+  first scoring launch, and the rows' metadata (small kernels) after the last;
+* the selector writes straight into the output rows and needs no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+
+from .backends import resolve_backend
+from .backends.base import Backend, PoolInputs, Pools, Problem, Queries, QueryInputs
+from .balance import (
+    CausalPartition,
+    causal_partition,
+    move_queries,
+    route_pools,
+    row_work_prefix,
+)
+from .checks import check_float_tensor
+from .comm import CommStats, agree_or_raise, all_gather_rows
+from .config import KPoolConfig, RunOptions, split_keywords
+from .plan import ChunkPlan, plan_chunks
+from .pool_gather import gather_pools, pool_shards
+from .pooling import pool_table
+from .scoring import select_chunks
+from .selection import assemble, row_meta
+from .settings import Settings, current_settings
+from .sharding import ShardedSequence
+from .timing import stage
+
+__all__ = ["run", "run_gathered", "solve", "validate_and_agree", "Call", "Computed", "num_pools"]
+
+# names of the signature entries when a rank has no valid config (its error is reported first)
+_CONFIG_SIGNATURE = ("topk", "kpool", "tail", "order", "alignment", "max_logits_bytes", "precision")
+_OPTIONS_SIGNATURE = ("gather", "balance", "balance_block", "balance_row_cost")
+
+
+@dataclasses.dataclass
+class Call:
+    """One validated call: the problem, the resolved backend and options, the scoring
+    chunk rows ``C`` (``None`` without pools), the number of pools, the balance partition
+    (``None`` unless ``balance="causal"`` with several ranks) and the bytes counter."""
+
+    problem: Problem
+    backend: Backend
+    options: RunOptions
+    chunk: int | None
+    pools: int
+    partition: CausalPartition | None
+    counter: CommStats | None
+
+    @property
+    def balanced(self) -> bool:
+        return self.partition is not None and self.partition.applied
+
+
+def num_pools(seq: ShardedSequence, kpool: int) -> int:
+    """Complete pools of the real documents (host arithmetic)."""
+    cu = seq.real_cu_seq_lens.tolist()
+    return sum((b - a) // kpool for a, b in zip(cu, cu[1:]))
+
+
+def _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, settings, stats) -> Call:
+    """Local checks, in argument order; raises on the first problem found."""
+    if not isinstance(seq, ShardedSequence):
+        raise TypeError(f"seq: expected a ShardedSequence, got {type(seq).__name__}")
+    config, options = split_keywords(config, options, keywords)
+    if settings is None:
+        settings = current_settings()
+    elif not isinstance(settings, Settings):
+        raise TypeError(f"settings: expected a Settings, got {type(settings).__name__}")
+    if stats is not None and not isinstance(stats, dict):
+        raise TypeError(f"stats: expected a dict or None, got {type(stats).__name__}")
+    check_float_tensor("q", q, (None, None, None))
+    S, H, D = q.shape
+    if S != seq.shard_size:
+        raise ValueError(
+            f"q: expected {seq.shard_size} local rows (seq.shard_size of rank {seq.rank}/{seq.world_size}), got {S}"
+        )
+    if H < 1 or D < 1:
+        raise ValueError(f"q: expected H >= 1 and D >= 1, got shape {list(q.shape)}")
+    dev = q.device
+    config = config.resolve(settings, dev)
+    check_float_tensor("k", k, (S, D), dev)
+    check_float_tensor("gates", gates, (S, D), dev)
+    check_float_tensor("head_weights", head_weights, (S, H), dev)
+    check_float_tensor("ape", ape, (config.kpool, D), dev)
+    problem = Problem(q=q, head_weights=head_weights, k=k, gates=gates, ape=ape, seq=seq, config=config,
+                      settings=settings)  # fmt: skip
+    return _call(problem, options, CommStats() if stats is not None else None)
+
+
+def _call(problem: Problem, options: RunOptions, counter: CommStats | None = None) -> Call:
+    """The backend, the scoring chunk and the balance partition of ``problem``, from global
+    quantities only (the same on every rank)."""
+    seq, config = problem.seq, problem.config
+    backend = resolve_backend(options.backend, problem)
+    P = num_pools(seq, config.kpool)
+    # the logits budget against global quantities, here, so that every rank raises alike
+    # (a rank whose shard holds only padding never reaches the scoring chunks)
+    chunk = backend.chunk_rows(problem, P) if P else None
+    part = None
+    if options.balance == "causal" and seq.world_size > 1:
+        block = options.balance_block
+        if block is None:  # global quantities only: the same on every rank
+            block = chunk if chunk is not None else backend.chunk_rows(problem, 0)
+        row_cost = options.balance_row_cost
+        if row_cost is None:
+            row_cost = backend.balance_row_cost
+        if P >= 2**31:
+            raise ValueError(f"balance: at most 2**31 - 1 pools supported, got {P}")
+        part = causal_partition(
+            seq.real_cu_seq_lens, kpool=config.kpool, world_size=seq.world_size, shard_size=seq.shard_size,
+            block=block, row_cost=row_cost,
+        )  # fmt: skip
+    return Call(problem, backend, options, chunk, P, part, counter)
+
+
+def _signature(q, seq, call: Call | None) -> list[tuple[str, int]]:
+    """Integers that must agree on every rank (checked by one small all-gather)."""
+    cu = seq.cu_seq_lens.numpy().tobytes()
+    three = isinstance(q, torch.Tensor) and q.dim() == 3
+    sig = [
+        ("cu_seq_lens (crc32)", zlib.crc32(cu)),
+        ("len(cu_seq_lens)", seq.cu_seq_lens.numel()),
+        ("shard_size", seq.shard_size),
+        ("world_size", seq.world_size),
+        ("q.shape[1] (H)", q.shape[1] if three else -1),
+        ("q.shape[2] (D)", q.shape[2] if three else -1),
+    ]
+    if call is None:
+        sig += [(name, -1) for name in _CONFIG_SIGNATURE + _OPTIONS_SIGNATURE]
+        return sig + [("backend (resolved, crc32)", -1)]
+    sig += call.problem.config.signature() + call.options.signature()
+    return sig + [("backend (resolved, crc32)", zlib.crc32(call.backend.name.encode()))]
+
+
+def validate_and_agree(q, k, gates, head_weights, ape, seq, config: KPoolConfig | None, options: RunOptions | None,
+                       keywords: dict, settings: Settings | None, stats: dict | None) -> Call:  # fmt: skip
+    """Stage 1: the validated :class:`Call`, agreed on by every rank. ``config`` and
+    ``options`` may be ``None`` and are then built from ``keywords`` (the keyword form of
+    :func:`sp_kpool.kpool_topk`). With several ranks, bad input on any rank makes every
+    rank raise the same ``ValueError`` naming it, before any data moves; with world size 1
+    the error is raised as is."""
+    error = call = None
+    try:
+        call = _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, settings, stats)
+    except (TypeError, ValueError) as exc:
+        if not isinstance(seq, ShardedSequence) or seq.world_size == 1:
+            raise
+        error = f"{type(exc).__name__}: {exc}"
+    agree_or_raise(seq, error, _signature(q, seq, call), stats=call.counter if call is not None else None)
+    if stats is not None:  # the stages time themselves (device synchronized) into this dict
+        call.problem.stage_times = {}
+    return call
+
+
+@torch.no_grad()
+def run(q, k, gates, head_weights, ape, seq, config: KPoolConfig | None = None, options: RunOptions | None = None, *,
+        keywords: dict | None = None, settings: Settings | None = None, stats: dict | None = None) -> torch.Tensor:
+    """Selected global token ids ``[S_local, config.width]`` int32 (see
+    :func:`sp_kpool.kpool_topk` for the arguments)."""
+    call = validate_and_agree(q, k, gates, head_weights, ape, seq, config, options, keywords or {}, settings, stats)
+    problem, backend, counter, options = call.problem, call.backend, call.counter, call.options
+    pooled = None
+    if options.gather == "keys":  # 2. gather
+        with stage(problem, "gather"):
+            k_all = all_gather_rows(k, seq, stats=counter, tag="gather_keys")
+            gates_all = all_gather_rows(gates, seq, stats=counter, tag="gather_keys")
+        problem = dataclasses.replace(problem, k=k_all, gates=gates_all)
+    elif call.pools:  # problem.k / gates stay this rank's shards: with pools gathered, nothing reads them
+        pooled = gather_pools(backend, problem, pool_table(seq.real_cu_seq_lens, problem.kpool)[0], stats=counter)
+    out = _compute(dataclasses.replace(call, problem=problem), pooled).ids
+    if stats is not None:
+        _fill_stats(stats, call)
+    return out
+
+
+@dataclasses.dataclass
+class Computed:
+    """What stages 3-8 produced on this rank: the output ``ids [S_local, width]`` int32, and
+    for inspection (the parity replay) the pools, the prepared query rows and the plan of
+    the rows scored here (``pools``/``queries`` ``None`` when nothing was scored)."""
+
+    ids: torch.Tensor
+    call: Call
+    pools: Pools | None
+    queries: Queries | None
+    plan: ChunkPlan
+
+
+def _compute(call: Call, pooled: Pools | None) -> Computed:
+    """Stages 3-8 on this rank, after the gather: ``call.problem`` holds the gathered keys
+    and gates (``gather="keys"``) or ``pooled`` the gathered pools."""
+    problem, backend, counter, seq = call.problem, call.backend, call.counter, call.problem.seq
+    q, head_weights = problem.q, problem.head_weights
+    n_real = seq.num_real_tokens
+    own = (min(seq.shard_start, n_real), min(seq.shard_end, n_real))
+    rows, q_rows, w_rows = own, q[: own[1] - own[0]], head_weights[: own[1] - own[0]]
+    if call.balanced:  # 3. partition: this rank scores the rows of its compute range
+        owned, computed = _ranges(seq, call.partition)
+        with stage(problem, "balance_exchange"):
+            q_rows, w_rows = move_queries(problem, owned, computed, counter)
+        rows = computed[seq.rank]
+    plan = plan_chunks(seq, problem.kpool, call.chunk or 1, *rows, problem.device,
+                       cache=problem.settings.table_cache)  # 4. plan  # fmt: skip
+    k_sel = problem.topk // problem.kpool
+    pools = queries = None
+    if plan.chunks:
+        with stage(problem, "pool"):  # 5. pool and prepare
+            pool_in = None if pooled is not None else PoolInputs(problem.k, problem.gates, plan.pool_tok_start)
+            built, queries = backend.prepare(problem, pool_in, QueryInputs(q_rows, w_rows, rows[0], *plan.padding()))
+        pools = pooled if pooled is not None else built
+        selected = select_chunks(backend, problem, pools, queries, plan)  # 6. score and select
+    else:  # no rows scored here, or no complete pool at all
+        selected = torch.full((rows[1] - rows[0], k_sel), -1, dtype=torch.int32, device=problem.device)
+    if call.balanced:  # 7. route back
+        with stage(problem, "balance_route"):
+            selected = route_pools(problem, selected, owned, computed, counter)
+        meta = row_meta(torch.arange(*own, device=problem.device), plan.cu, plan.offs, problem.kpool)
+    else:
+        meta = plan.meta
+    ids = _expand(problem, selected, meta, plan.pool_tok_start, own[1] - own[0])  # 8. expand
+    return Computed(ids, call, pools, queries, plan)
+
+
+def run_gathered(inputs: dict, seq: ShardedSequence, config: KPoolConfig, options: RunOptions | None = None,
+                 settings: Settings | None = None) -> Computed:  # fmt: skip
+    """One rank's stages 3-8 from inputs already gathered, in this process: ``inputs`` holds
+    ``q [S_local, H, D]``, ``head_weights [S_local, H]``, ``ape`` and the keys and gates of
+    the **whole** sequence, ``k``/``gates [S, D]`` (the concatenation of every rank's
+    shard, which is what the all-gather returns). Simulations of several ranks and the
+    parity replay use it; ``balance`` and ``gather`` are ignored (they need the ranks),
+    and they change no output bit."""
+    settings = settings if settings is not None else current_settings()
+    config = config.resolve(settings, inputs["q"].device)
+    problem = Problem(**inputs, seq=seq, config=config, settings=settings)
+    return solve(problem, (options or RunOptions()).backend)
+
+
+def solve(problem: Problem, backend: str = "torch") -> Computed:
+    """Stages 3-8 of one rank for a :class:`~sp_kpool.backends.base.Problem` that holds the
+    gathered keys and gates (``problem.config`` resolved), with the backend named
+    ``backend`` (or ``"auto"``), in this process: what :func:`run_gathered` runs, for tests
+    and benchmarks that build the problem themselves."""
+    return _compute(_call(problem, RunOptions(backend=backend)), None)
+
+
+def _ranges(seq: ShardedSequence, part: CausalPartition):
+    """Per rank, the owned and the computed ``(lo, hi)`` real rows."""
+    n = seq.num_real_tokens
+    owned = [(min(r * seq.shard_size, n), min((r + 1) * seq.shard_size, n)) for r in range(seq.world_size)]
+    computed = [(part.bounds[r], part.bounds[r + 1]) for r in range(seq.world_size)]
+    return owned, computed
+
+
+def _expand(problem: Problem, selected: torch.Tensor, meta, pool_tok_start: torch.Tensor, n: int) -> torch.Tensor:
+    """``[S_local, width]`` int32: the ``n`` real rows expanded, the padding rows ``-1``."""
+    cfg = problem.config
+    out = torch.empty((problem.seq.shard_size, cfg.width), dtype=torch.int32, device=problem.device)
+    out[n:].fill_(-1)  # padding rows; assemble writes the others whole
+    if n:
+        with stage(problem, "expand"):
+            assemble(selected, meta, pool_tok_start, topk=cfg.topk, kpool=cfg.kpool, tail=cfg.tail, order=cfg.order,
+                     alignment=cfg.alignment, presorted=True, out=out[:n])  # fmt: skip
+    return out
+
+
+def _fill_stats(stats: dict, call: Call) -> None:
+    problem, options, part = call.problem, call.options, call.partition
+    seq, kpool = problem.seq, problem.kpool
+    n = seq.num_real_tokens
+    if call.balanced:
+        lo, hi = part.bounds[seq.rank], part.bounds[seq.rank + 1]
+    else:
+        lo, hi = min(seq.shard_start, n), min(seq.shard_end, n)
+    pairs = row_work_prefix(seq.real_cu_seq_lens, kpool, row_cost=0)
+    pts = pool_table(seq.real_cu_seq_lens, kpool)[0]
+    stats.update(
+        gather=options.gather,
+        balance=options.balance,
+        balance_applied=call.balanced,
+        bytes=call.counter.as_dict(),
+        time_s=dict(problem.stage_times),
+        partition=part.as_dict() if part is not None else None,
+        rows_scored=(lo, hi),
+        causal_pairs=int(pairs[hi] - pairs[lo]),
+        pools=int(pts.numel()),
+        pools_built=(
+            pool_shards(pts, shard_size=seq.shard_size, world_size=seq.world_size, kpool=kpool).counts[seq.rank]
+            if options.gather == "pools" else int(pts.numel())
+        ),
+    )  # fmt: skip

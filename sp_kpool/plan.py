@@ -1,0 +1,234 @@
+"""The chunk plan: which query rows are scored together, against which pools.
+
+Query rows are scored in chunks of ``C`` rows on a grid aligned to **global** row ids, and
+every chunk is scored against the pool range of the whole global chunk; rows a rank does
+not compute are zero rows with empty pool ranges (kernels skip them). ``C`` depends only
+on global quantities (heads, pools, real length, the logits budget, the backend), so a
+given row is always computed by the same kernel call shape at the same position,
+whichever rank computes it: that is what makes every sharding bitwise equal to world
+size 1::
+
+    C = 4, real rows 0..13, this rank computes rows [5, 11)
+    grid        [0 1 2 3] [4 5 6 7] [8 9 10 11] [12 13]
+    chunks      .         [- 5 6 7] [8 9 10 -]           (- : zero row, empty range)
+    pool range  of chunk [4, 8): the pools visible to rows 4..7 of the global sequence
+
+This module is the only place the grid is computed: the pipeline (:mod:`sp_kpool.pipeline`)
+and the parity replay both iterate :attr:`ChunkPlan.chunks`.
+
+Tables. A plan carries its tables on the device: the real documents' boundaries, their
+first pools, each chunk's pool range, the pool table (first token of every pool), each
+row's ``[start, end)`` within its chunk's pool range and each row's causal metadata. They
+are built with one host-to-device copy that does not make the host wait for the device
+(:func:`sp_kpool._device.to_device`), and cached in the :class:`TableCache` of the
+:class:`~sp_kpool.sharding.ShardedSequence` they belong to: build the sequence once per
+batch and pass it to every layer, and every layer after the first skips this host work
+(about 0.3-0.6 ms of host time per call on an H200 host). The cache lives and dies with
+its sequence; ``Settings.table_cache = False`` (``SP_KPOOL_TABLE_CACHE=0``) turns it off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import _device
+from ._device import to_device
+from .selection import RowMeta, row_meta
+
+__all__ = ["Chunk", "ChunkPlan", "TableCache", "plan_chunks", "grid_span", "pad_rows", "round_rows",
+           "row_ranges_torch"]  # fmt: skip
+
+
+def round_rows(rows: int) -> int:
+    """``rows`` rounded down to a multiple of 128 when >= 128 (whole kernel row groups)."""
+    return int(rows // 128 * 128 if rows >= 128 else max(1, rows))
+
+
+def grid_span(C: int, lo_row: int, hi_row: int) -> tuple[int, int]:
+    """``(first, end)``: the global rows that the chunks of ``C`` rows holding ``[lo_row,
+    hi_row)`` cover (``first <= lo_row``, ``end >= hi_row``, multiples of ``C`` apart)."""
+    if hi_row <= lo_row:
+        return lo_row, lo_row
+    first = (lo_row // C) * C
+    return first, first + -(-(hi_row - first) // C) * C
+
+
+def pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """``x`` with ``before`` zero rows in front and ``after`` behind (dim 0), in one host
+    call: how a partial chunk's rows are laid on the chunk grid."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (before, after))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk of the grid: global rows ``[first, first + C)`` (``end``: the last real row
+    + 1, ``<= first + C``), scored against pools ``[pool_lo, pool_hi)``; ``index`` is its
+    position in the plan (its rows' ranges are ``ChunkPlan.ranges[:, index * C : ...]``)."""
+
+    index: int
+    first: int
+    end: int
+    pool_lo: int
+    pool_hi: int
+
+
+class TableCache:
+    """A small LRU of :class:`ChunkPlan` objects, owned by one ``ShardedSequence``.
+
+    Keys are everything a plan depends on (the boundaries by value, ``kpool``, chunk rows,
+    row range, device, CUDA stream); at most ``max_entries`` plans are kept (a few MB of
+    device tables each for a rank of 4 x 32768 tokens). Thread-safe.
+    """
+
+    def __init__(self, max_entries: int = 8):
+        self.max_entries = max_entries
+        self._plans: OrderedDict[tuple, ChunkPlan] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, build: Callable[[], "ChunkPlan"]) -> "ChunkPlan":
+        with self._lock:
+            hit = self._plans.get(key)
+            if hit is not None:
+                self._plans.move_to_end(key)
+                return hit
+        plan = build()
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self.max_entries:
+                self._plans.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+@dataclass(eq=False)
+class ChunkPlan:
+    """The chunk grid of rows ``[lo_row, hi_row)`` and its tables on ``device``.
+
+    rows: chunk rows ``C``. chunks: the grid (empty without rows or pools).
+    num_pools: complete pools of the whole sequence. pool_tok_start ``[P]``, cu
+    ``[num_docs + 1]``, offs ``[num_docs + 1]`` (each document's first pool), bounds
+    ``[n_chunks, 2]``: int64 on ``device``. Read-only once built (cached plans are shared).
+    """
+
+    rows: int
+    lo_row: int
+    hi_row: int
+    kpool: int
+    chunks: tuple[Chunk, ...]
+    num_pools: int
+    pool_tok_start: torch.Tensor
+    cu: torch.Tensor
+    offs: torch.Tensor
+    bounds: torch.Tensor
+    _ranges: torch.Tensor | None = field(default=None, repr=False)
+    _meta: RowMeta | None = field(default=None, repr=False)
+
+    @property
+    def first(self) -> int:
+        """Global row of the first chunk's first row."""
+        return grid_span(self.rows, self.lo_row, self.hi_row)[0]
+
+    def padding(self) -> tuple[int, int]:
+        """``(before, after)``: zero rows in front of and behind ``[lo_row, hi_row)`` out to
+        the edges of its chunks."""
+        first, end = grid_span(self.rows, self.lo_row, self.hi_row)
+        return self.lo_row - first, end - self.hi_row
+
+    @property
+    def ranges(self) -> torch.Tensor:
+        """``[2, n_chunks * C]`` int32: each row's ``[start, end)`` relative to its chunk's
+        pool range, on the chunk grid (rows not in ``[lo_row, hi_row)`` empty). Built on
+        first use (one kernel launch on CUDA with Triton), then kept."""
+        if self._ranges is None:
+            args = (self.cu, self.offs, self.bounds, self.lo_row, self.hi_row, self.first, self.rows, self.kpool)
+            if _device.on_gpu(self.bounds.device):
+                from .kernels.triton_ranges import chunk_row_ranges
+
+                self._ranges = chunk_row_ranges(*args)
+            else:
+                self._ranges = row_ranges_torch(*args)
+        return self._ranges
+
+    @property
+    def meta(self) -> RowMeta:
+        """Causal metadata of the rows ``[lo_row, hi_row)`` (built on first use, then kept:
+        its small kernels queue behind the scoring instead of delaying the first one)."""
+        if self._meta is None:
+            rows = torch.arange(self.lo_row, self.hi_row, device=self.bounds.device)
+            self._meta = row_meta(rows, self.cu, self.offs, self.kpool)
+        return self._meta
+
+
+def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, *,
+                cache: bool = True) -> ChunkPlan:  # fmt: skip
+    """The :class:`ChunkPlan` of rows ``[lo_row, hi_row)`` of ``seq`` in chunks of ``C``
+    rows (host arithmetic on the document boundaries only, one copy to ``device``).
+
+    ``cache``: take it from (or put it in) ``seq``'s :class:`TableCache`. Without complete
+    pools the plan has no chunks (nothing is scored).
+    """
+
+    def build() -> ChunkPlan:
+        return _build(seq, kpool, C, lo_row, hi_row, device)
+
+    if not cache:
+        return build()
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    # the boundaries by value too: an in-place change of seq.cu_seq_lens is another plan
+    key = (tuple(seq.cu_seq_lens.tolist()), kpool, C, lo_row, hi_row, device, stream)
+    return seq.tables.get(key, build)
+
+
+def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device) -> ChunkPlan:
+    K = kpool
+    cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
+    offs = [0]
+    for d in range(len(cu) - 1):
+        offs.append(offs[-1] + (cu[d + 1] - cu[d]) // K)
+    P = offs[-1]
+    chunks = []
+    if hi_row > lo_row and P:
+
+        def doc(r):  # document of the real row r
+            return bisect.bisect_right(cu, r) - 1
+
+        for i, g0 in enumerate(range(*grid_span(C, lo_row, hi_row), C)):
+            g1 = min(g0 + C, seq.num_real_tokens)
+            d0, d1 = doc(g0), doc(g1 - 1)
+            chunks.append(Chunk(i, g0, g1, offs[d0], offs[d1] + (g1 - 1 - cu[d1] + 1) // K))
+    shift = [cu[d] - offs[d] * K for d in range(len(cu) - 1)]  # pool p of doc d starts at shift[d] + p * K
+    host = torch.tensor(cu + offs + shift + [v for c in chunks for v in (c.pool_lo, c.pool_hi)], dtype=torch.int64)
+    flat = to_device(host, device)
+    n = len(cu)
+    cu_d, offs_d, shift_d, bounds = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n - 1], flat[3 * n - 1 :].view(-1, 2)
+    pid = torch.arange(P, device=device)
+    pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
+    return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds)
+
+
+def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:
+    """``[2, n_chunks * C]`` int32 ``[start, end)`` of every row of the chunk grid relative
+    to its chunk's pool range (:func:`sp_kpool.kernels.triton_ranges.chunk_row_ranges` is
+    its one-launch CUDA twin)."""
+    device = bounds.device
+    meta = row_meta(torch.arange(lo_row, hi_row, device=device), cu, offs, kpool)
+    which = (meta.rows - first) // C
+    clo, chi = bounds[which, 0], bounds[which, 1]
+    r_start = (meta.pool_lo - clo).clamp_(min=0)
+    r_end = torch.minimum(meta.pool_hi, chi) - clo
+    ranges = torch.zeros((2, bounds.shape[0] * C), dtype=torch.int32, device=device)
+    ranges[0, lo_row - first : hi_row - first] = r_start
+    ranges[1, lo_row - first : hi_row - first] = torch.maximum(r_start, r_end)
+    return ranges

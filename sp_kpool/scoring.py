@@ -1,0 +1,112 @@
+"""Score and select: the chunks of a :class:`~sp_kpool.plan.ChunkPlan`, one backend call each.
+
+:func:`chunk_calls` lists the scoring calls of a plan (the same for the pipeline and the
+parity replay, which records the values the selection ranked), :func:`score_chunk` makes
+one, and :func:`select_chunks` turns every chunk's scores into the selected pools of its
+rows with the deterministic Top-K of :func:`sp_kpool.selection.select_pools`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from .backends.base import Backend, ChunkScores, Pools, Problem, Queries
+from .plan import Chunk, ChunkPlan, pad_rows
+from .selection import select_pools
+from .timing import stage
+
+__all__ = ["ChunkCall", "chunk_calls", "score_chunk", "select_chunks"]
+
+
+@dataclass(frozen=True)
+class ChunkCall:
+    """One scoring call: ``chunk`` of the plan, the rows ``[a, b)`` of it computed here,
+    the ``C`` prepared rows ``q``, ``w`` laid on the chunk (zero rows not computed here),
+    and every row's ``starts``/``ends`` ``[C]`` int32 relative to ``chunk.pool_lo``
+    (empty for rows not computed here). ``q`` is ``None`` for a chunk without pools."""
+
+    chunk: Chunk
+    a: int
+    b: int
+    q: Any = None
+    w: Any = None
+    starts: torch.Tensor | None = None
+    ends: torch.Tensor | None = None
+
+
+def chunk_calls(plan: ChunkPlan, queries: Queries, *, views_first: bool = True) -> Iterator[ChunkCall]:
+    """The scoring calls of ``plan`` for the prepared rows ``queries``.
+
+    A chunk whose rows the prepared tensors cover is scored from views of them; the others
+    from zero-padded copies (one host call per tensor). ``views_first``: the chunks scored
+    from views come first, so the host reaches the first scoring call sooner (a cold call's
+    device waits for it); the chunks are independent, so the order changes no result.
+    Without it the chunks come in row order (what the parity replay walks)."""
+    C, first = plan.rows, queries.first
+    ranges = plan.ranges if plan.chunks else None
+    p1 = first + queries.q.shape[0]  # the prepared rows are the global rows [first, p1)
+    whole = [first <= c.first and c.first + C <= p1 for c in plan.chunks]
+    order = sorted(range(len(whole)), key=lambda i: not whole[i]) if views_first else range(len(whole))
+    for i in order:
+        c = plan.chunks[i]
+        a, b = max(c.first, plan.lo_row), min(c.end, plan.hi_row)  # rows of this chunk computed here
+        if c.pool_hi <= c.pool_lo:
+            yield ChunkCall(c, a, b)
+            continue
+        if whole[i]:  # views, no copies (rows not ours are zero rows of the padding)
+            qc, wc = queries.rows(c.first - first, c.first - first + C)
+        else:  # the call has the same shape and row positions whichever rank computes it
+            qc, wc = queries.rows(a - first, b - first)
+            qc, wc = pad_rows(qc, a - c.first, c.first + C - b), pad_rows(wc, a - c.first, c.first + C - b)
+        yield ChunkCall(c, a, b, qc, wc, ranges[0, i * C : (i + 1) * C], ranges[1, i * C : (i + 1) * C])
+
+
+def score_chunk(backend: Backend, problem: Problem, pools: Pools, call: ChunkCall) -> ChunkScores:
+    """``backend.score`` of one call (timed as the ``score`` stage)."""
+    c = call.chunk
+    with stage(problem, "score"):
+        return backend.score(problem, pools, call.q, call.w, c.pool_lo, c.pool_hi, call.starts, call.ends)
+
+
+def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Queries, plan: ChunkPlan) -> torch.Tensor:
+    """Selected pools ``[hi_row - lo_row, topk // kpool]`` int32 of the plan's rows: global
+    pool ids, valid ones first, ``-1`` after; ascending for ``order="ascending"``, by score
+    for ``"score"``, the serving selector's order for ``"serving"``. Every element is
+    written. Any rank computing a row gets the same ids (see :mod:`sp_kpool.plan`)."""
+    device = problem.device
+    lo_row, hi_row = plan.lo_row, plan.hi_row
+    k_sel = problem.topk // problem.kpool
+    out = None
+    unscored = []  # rows of chunks without pools
+    for call in chunk_calls(plan, queries):
+        a, b, c = call.a, call.b, call.chunk
+        if call.q is None:
+            unscored.append((a, b))
+            continue
+        sc = score_chunk(backend, problem, pools, call)
+        rows = slice(a - c.first, b - c.first)
+        col0: Any = c.pool_lo
+        row_starts, row_ends = call.starts[rows], call.ends[rows]
+        if sc.col_offset is not None:  # request-local columns: column j of row r is pool lo + offset[r] + j
+            offset = sc.col_offset[rows]
+            col0 = c.pool_lo + offset[:, None]
+            row_starts, row_ends = row_starts - offset, row_ends - offset
+        scores = sc.scores[rows]
+        visible = None
+        if not sc.masked:
+            cols = torch.arange(c.pool_hi - c.pool_lo, device=device)
+            visible = (cols[None] >= row_starts[:, None]) & (cols[None] < row_ends[:, None])
+        if out is None:  # allocated after the first scoring launch, not before
+            out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
+        with stage(problem, "select"):
+            # straight into this chunk's output rows, every element written
+            select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts,
+                         out=out[a - lo_row : b - lo_row])  # fmt: skip
+    if out is None:
+        return torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)
+    for a, b in unscored:  # every row lies in one chunk: the others are written above
+        out[a - lo_row : b - lo_row].fill_(-1)
+    return out

@@ -1,0 +1,182 @@
+"""Process settings: the one place that reads the environment.
+
+Every ``SP_KPOOL_*`` variable is read here, once per process (at the first call that needs
+the settings), into a frozen :class:`Settings` that the operator passes down explicitly;
+no other module reads ``os.environ``. Workers must be restarted to change a value, and the
+ranks of one job must see the same values (the operator checks the resolved precision and
+logits budget across ranks). ``python -m sp_kpool info`` prints the effective settings.
+
+=============================  ==============================================  ===========
+variable                       meaning                                          default
+=============================  ==============================================  ===========
+``SP_KPOOL_PRECISION``         default ``precision=`` (``bf16``,                ``bf16``
+                               ``bf16-serving``, ``fp8``)
+``SP_KPOOL_MAX_LOGITS_BYTES``  default ``max_logits_bytes=`` (bytes)            2 GiB on CUDA,
+                                                                                256 MiB else
+``SP_KPOOL_TABLE_CACHE``       ``0`` turns the table cache off                  ``1``
+``SP_KPOOL_MQA_LAYOUT``        DeepGEMM logits columns: ``legacy`` or           detected
+                               ``compact``
+``SP_KPOOL_TILELANG_CONFIG``   TileLang scorer launch ``block_n,num_stages,     per H
+                               threads[,block_q]``
+``SP_KPOOL_CAPTURE_DIR``       capture the inputs of every ``KPoolIndexer``     off
+                               built afterwards into this directory
+``SP_KPOOL_CAPTURE_CALLS``     forward calls captured per module                ``1``
+=============================  ==============================================  ===========
+
+A test or script that needs another value builds ``Settings(...)`` (or
+``Settings.from_env(mapping)``) and passes it (``kpool_topk(..., settings=...)``), instead
+of changing the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["Settings", "current_settings", "PRECISIONS", "ENV"]
+
+#: Arithmetic modes (``precision=``); see :mod:`sp_kpool.precision`.
+PRECISIONS = ("bf16", "bf16-serving", "fp8")
+MQA_LAYOUTS = ("legacy", "compact")
+
+#: setting name -> environment variable
+ENV = {
+    "precision": "SP_KPOOL_PRECISION",
+    "max_logits_bytes": "SP_KPOOL_MAX_LOGITS_BYTES",
+    "table_cache": "SP_KPOOL_TABLE_CACHE",
+    "mqa_layout": "SP_KPOOL_MQA_LAYOUT",
+    "tilelang_config": "SP_KPOOL_TILELANG_CONFIG",
+    "capture_dir": "SP_KPOOL_CAPTURE_DIR",
+    "capture_calls": "SP_KPOOL_CAPTURE_CALLS",
+}
+
+#: Logits budget without ``SP_KPOOL_MAX_LOGITS_BYTES``: 2 GiB on CUDA devices (fewer,
+#: larger chunks; each chunk costs host work) and 256 MiB elsewhere. Ranks on the same
+#: kind of device get the same default, so results stay bitwise equal across world sizes.
+DEFAULT_MAX_LOGITS_BYTES = 256 * 2**20
+DEFAULT_MAX_LOGITS_BYTES_CUDA = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective process settings (see the module docstring for each field).
+
+    precision: default arithmetic, one of :data:`PRECISIONS`.
+    max_logits_bytes: default logits budget in bytes, or ``None`` for the per-device default.
+    table_cache: whether the pipeline reuses its tables between calls on one sequence.
+    mqa_layout: DeepGEMM column layout (``None``: the first one the installed build has).
+    tilelang_config: TileLang scorer launch ``(block_n, num_stages, threads[, block_q])``
+        or ``None`` (the per-H default).
+    capture_dir: capture directory for new ``KPoolIndexer`` modules, or ``None``.
+    capture_calls: calls captured per module.
+    """
+
+    precision: str = "bf16"
+    max_logits_bytes: int | None = None
+    table_cache: bool = True
+    mqa_layout: str | None = None
+    tilelang_config: tuple[int, ...] | None = None
+    capture_dir: str | None = None
+    capture_calls: int = 1
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"{ENV['precision']}: expected one of {list(PRECISIONS)}, got {self.precision!r}")
+        mlb = self.max_logits_bytes
+        if mlb is not None and (isinstance(mlb, bool) or not isinstance(mlb, int) or mlb < 1):
+            raise ValueError(f"{ENV['max_logits_bytes']}: expected a positive integer number of bytes, got {mlb!r}")
+        if self.mqa_layout is not None and self.mqa_layout not in MQA_LAYOUTS:
+            raise ValueError(f"{ENV['mqa_layout']}: expected 'legacy' or 'compact', got {self.mqa_layout!r}")
+        tc = self.tilelang_config
+        if tc is not None and (len(tc) not in (3, 4) or not all(isinstance(v, int) and v > 0 for v in tc)):
+            raise ValueError(f"{ENV['tilelang_config']}: expected 'block_n,num_stages,threads[,block_q]', got {tc!r}")
+        calls = self.capture_calls
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"{ENV['capture_calls']}: expected a non-negative integer, got {calls!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """Settings from ``environ`` (default ``os.environ``); unset or blank variables take
+        the defaults. Raises ``ValueError`` naming the variable, the expected and the actual
+        value."""
+        env = os.environ if environ is None else environ
+
+        def raw(name: str) -> str | None:
+            value = env.get(ENV[name], "").strip()
+            return value or None
+
+        def integer(name: str, minimum: int, expected: str) -> int | None:
+            value = raw(name)
+            if value is None:
+                return None
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"{ENV[name]}: expected {expected}, got {value!r}") from None
+            if number < minimum:
+                raise ValueError(f"{ENV[name]}: expected {expected}, got {number}")
+            return number
+
+        cache = raw("table_cache")
+        if cache not in (None, "0", "1"):
+            raise ValueError(f"{ENV['table_cache']}: expected 0 or 1, got {cache!r}")
+        tl = raw("tilelang_config")
+        tl_config = None
+        if tl is not None:
+            try:
+                tl_config = tuple(int(v) for v in tl.split(","))
+            except ValueError:
+                raise ValueError(f"{ENV['tilelang_config']}: expected 'block_n,num_stages,threads[,block_q]', "
+                                 f"got {tl!r}") from None  # fmt: skip
+        calls = integer("capture_calls", 0, "a non-negative integer")
+        return cls(
+            precision=raw("precision") or "bf16",
+            max_logits_bytes=integer("max_logits_bytes", 1, "a positive integer number of bytes"),
+            table_cache=cache != "0",
+            mqa_layout=raw("mqa_layout"),
+            tilelang_config=tl_config,
+            capture_dir=raw("capture_dir"),
+            capture_calls=1 if calls is None else calls,
+        )
+
+    def replace(self, **changes) -> "Settings":
+        """A copy with ``changes`` (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def logits_budget(self, device) -> int:
+        """The default logits budget on ``device``: ``max_logits_bytes`` if set, else 2 GiB
+        on CUDA devices and 256 MiB elsewhere."""
+        if self.max_logits_bytes is not None:
+            return self.max_logits_bytes
+        is_cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
+        return DEFAULT_MAX_LOGITS_BYTES_CUDA if is_cuda else DEFAULT_MAX_LOGITS_BYTES
+
+    def describe(self) -> list[tuple[str, str, str]]:
+        """``(variable, effective value, source)`` rows for ``python -m sp_kpool info``."""
+        rows = []
+        for name, var in ENV.items():
+            value = getattr(self, name)
+            shown = _show(value)
+            if name == "max_logits_bytes" and value is None:
+                shown = f"{DEFAULT_MAX_LOGITS_BYTES_CUDA} on CUDA, {DEFAULT_MAX_LOGITS_BYTES} elsewhere"
+            rows.append((var, shown, "default" if value == getattr(Settings, name) else "set"))
+        return rows
+
+
+def _show(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+@functools.lru_cache(maxsize=1)
+def current_settings() -> Settings:
+    """The process settings, read from the environment at the first call, then cached."""
+    return Settings.from_env()

@@ -1,0 +1,162 @@
+"""The GPU backends' host code on CPU: ``deepgemm`` and ``tilelang`` with the kernels they
+launch replaced by :mod:`sp_kpool.testing.standins` (DeepGEMM, TileLang) or run by Triton's
+CPU interpreter (pools, queries, ranges, selector, expansion), against the torch backend,
+bit for bit.
+
+Not collected directly (the name does not start with ``test_``):
+``test_gpu_host_cpu.py`` runs this file in a child pytest with ``TRITON_INTERPRET=1``.
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("run this file with TRITON_INTERPRET=1 (tests/unit/test_gpu_host_cpu.py does)")
+
+import sp_kpool  # noqa: E402
+from sp_kpool.backends.deepgemm_logits import logits_bytes  # noqa: E402
+from sp_kpool.sharding import ShardedSequence  # noqa: E402
+from sp_kpool.testing import standins  # noqa: E402
+from sp_kpool.testing.problems import GlobalInputs, make_inputs, simulate_ranks  # noqa: E402
+
+#: small packed documents, odd lengths, one of a single token (K = 4: 9 pools; first pools
+#: 0, 4, 4, 7: chunk pool ranges start off multiples of 4)
+LENGTHS = [19, 1, 12, 9]
+SMALL = [6, 9]
+K, TOPK = 4, 8  # 2 pools per row: the selection matters
+
+
+def exact_inputs(lengths, heads, dim, seed=0):
+    """BF16 inputs whose BF16-mode scores are exact in FP32 (small integer keys and
+    queries, dyadic weights, gates that make each pool's slot softmax one-hot per channel):
+    every correct implementation agrees bit for bit, ties included (D^-0.5 H^-0.5 dyadic
+    for D 64, H 16)."""
+    g = torch.Generator().manual_seed(seed)
+    S = sum(lengths)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    pos = torch.arange(S)
+    doc = torch.searchsorted(torch.tensor(cu), pos, right=True) - 1
+    slot = (pos - torch.tensor(cu)[doc]) % K
+    hot = slot[:, None] == (torch.arange(dim) % K)[None]
+    return GlobalInputs(
+        cu_seq_lens=cu,
+        q=torch.randint(-3, 4, (S, heads, dim), generator=g).bfloat16(),
+        k=torch.randint(-3, 4, (S, dim), generator=g).bfloat16(),
+        gates=torch.where(hot, 60.0, -60.0).bfloat16(),
+        head_weights=(torch.randint(-2, 3, (S, heads), generator=g).float() * 0.5).bfloat16(),
+        ape=torch.zeros(K, dim, dtype=torch.bfloat16),
+    )
+
+
+def both(monkeypatch, x, world, backend, precision, budget, install=None, **opts):
+    """(torch backend's output, ``backend``'s with the stand-ins) of every rank, concatenated."""
+    ref = torch.cat(simulate_ranks(x, world, topk=TOPK, kpool=K, backend="torch", precision=precision, **opts))
+    settings = standins.install(monkeypatch, **(install or {})).settings
+    got = torch.cat(simulate_ranks(x, world, topk=TOPK, kpool=K, backend=backend, precision=precision,
+                                   max_logits_bytes=budget, settings=settings, **opts))  # fmt: skip
+    return ref, got
+
+
+def legacy_row_bytes(heads, pools=17, a=64):
+    return logits_bytes(1, pools, heads, "legacy", a) // max(1, 128 // heads)
+
+
+# (layout / api, H, world, tail, order, triton selector): budgets of 8 rows (H 32: 2 row
+# groups, H 64: 4) for 41 rows: chunks of 8, a partial last one, chunk pool ranges
+# starting off multiples of 4 (the kv shift)
+DG_CASES = [
+    (dict(layout="legacy"), 32, 1, "fixed", "ascending", True),
+    (dict(layout="compact"), 64, 3, "compact", "score", True),
+    (dict(layout=None, api="fp8_fp4"), 32, 3, "fixed", "score", False),  # compact by detection, clean paths
+    (dict(layout="legacy"), 64, 3, "compact", "ascending", False),  # legacy with clean_logits
+]
+
+
+@pytest.mark.parametrize("install,heads,world,tail,order,selector", DG_CASES)
+def test_deepgemm_equals_torch_fp8(monkeypatch, install, heads, world, tail, order, selector):
+    x = make_inputs(LENGTHS, heads=heads, head_dim=128, kpool=K, seed=heads + world, dtype=torch.bfloat16)
+    layout = install.get("layout") or "compact"
+    stride = 256 if layout == "compact" else 320  # 9 (+ shift) pools
+    budget = 8 * stride * 4
+    ref, got = both(monkeypatch, x, world, "deepgemm", "fp8", budget, dict(install, triton_selector=selector),
+                    tail=tail, order=order)  # fmt: skip
+    assert torch.equal(got, ref)
+    assert int((ref >= 0).sum()) > 0
+
+
+def test_deepgemm_budget_below_one_row_group(monkeypatch):
+    x = make_inputs(SMALL, heads=32, head_dim=128, kpool=K, seed=1, dtype=torch.bfloat16)
+    settings = standins.install(monkeypatch, layout="legacy").settings
+    one_group = 4 * 320 * 4  # 128 / H = 4 rows of stride align(3 + 256, 64)
+    kw = dict(topk=TOPK, kpool=K, backend="deepgemm", precision="fp8", settings=settings)
+    with pytest.raises(ValueError, match=f"max_logits_bytes: expected at least {one_group}"):
+        simulate_ranks(x, 1, max_logits_bytes=one_group - 1, **kw)
+    simulate_ranks(x, 1, max_logits_bytes=one_group, **kw)
+
+
+@pytest.mark.parametrize("layout", ["legacy", "compact"])
+def test_deepgemm_storage_check_fires(monkeypatch, layout):
+    # a kernel that allocates one padded row group more than predicted
+    x = make_inputs(SMALL, heads=32, head_dim=128, kpool=K, seed=2, dtype=torch.bfloat16)
+    settings = standins.install(monkeypatch, layout=layout, extra_rows=4).settings
+    with pytest.raises(RuntimeError, match="deepgemm: logits storage .* exceeds the budget"):
+        simulate_ranks(x, 1, topk=TOPK, kpool=K, backend="deepgemm", precision="fp8", max_logits_bytes=1 << 20,
+                       settings=settings)  # fmt: skip
+
+
+def test_deepgemm_gather_pools(monkeypatch):
+    x = make_inputs(SMALL, heads=32, head_dim=128, kpool=K, seed=5, dtype=torch.bfloat16)
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
+    args = (x.q, x.k, x.gates, x.head_weights, x.ape, seq)
+    ref = sp_kpool.kpool_topk(*args, topk=TOPK, kpool=K, backend="torch", precision="fp8")
+    settings = standins.install(monkeypatch, layout="compact").settings
+    got = sp_kpool.kpool_topk(*args, topk=TOPK, kpool=K, backend="deepgemm", precision="fp8", gather="pools",
+                              max_logits_bytes=4 * 256 * 4, order="score", settings=settings)  # fmt: skip
+    assert torch.equal(got.sort(-1).values, ref.sort(-1).values)  # same sets (ref: ascending, got: score order)
+
+
+TL_CASES = [
+    ("bf16", 16, 64, 1, "fixed", "ascending", True, True),
+    ("bf16-serving", 16, 64, 3, "compact", "score", True, True),
+    ("bf16", 32, 128, 3, "fixed", "score", False, False),  # random inputs; clean scores
+]
+
+
+@pytest.mark.parametrize("precision,heads,dim,world,tail,order,selector,exact", TL_CASES)
+def test_tilelang_equals_torch(monkeypatch, precision, heads, dim, world, tail, order, selector, exact):
+    if exact:
+        x = exact_inputs(LENGTHS, heads, dim, seed=heads + world)
+    else:
+        x = make_inputs(LENGTHS, heads=heads, head_dim=dim, kpool=K, seed=heads, dtype=torch.bfloat16)
+    budget = 7 * 9 * 4  # 7-row chunks
+    ref, got = both(monkeypatch, x, world, "tilelang", precision, budget, dict(triton_selector=selector),
+                    tail=tail, order=order)  # fmt: skip
+    assert torch.equal(got, ref)
+
+
+def test_tilelang_host_function_matches_contract(monkeypatch):
+    # the real tilelang_scores (row padding to 128 / H, row groups' column ranges) around the
+    # kernel stand-in equals the contract stand-in, bit for bit (exact inputs)
+    from sp_kpool.kernels import tilelang_score
+
+    standins.install(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    R, H, D, N = 13, 32, 64, 40  # 13 rows: padded to 16
+    q = torch.randint(-3, 4, (R, H, D), generator=g).bfloat16()
+    keys = torch.randint(-3, 4, (N, D), generator=g).bfloat16()
+    w = torch.randint(-2, 3, (R, H), generator=g).float() * 0.25
+    starts = torch.randint(0, N, (R,), generator=g).int()
+    ends = torch.minimum(starts + torch.randint(0, 20, (R,), generator=g).int(), torch.tensor(N)).int()
+    ends[3] = starts[3]  # an empty row
+    for clean in (True, False):
+        got = tilelang_score.tilelang_scores(q, w, keys, starts, ends, clean=clean)
+        want = standins.tilelang_scores(q, w, keys, starts, ends, clean=clean)
+        inside = (torch.arange(N)[None] >= starts[:, None]) & (torch.arange(N)[None] < ends[:, None])
+        assert got.shape == (R, N)
+        assert torch.equal(got[inside], want[inside])
+        if clean:
+            assert torch.equal(got, want)
