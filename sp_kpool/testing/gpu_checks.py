@@ -16,7 +16,7 @@ from ..selection import row_meta
 __all__ = ["ids_of", "near_tie_rows", "bf16_row_scores", "fp8_row_scores"]
 
 
-def ids_of(problem, backend: str) -> torch.Tensor:
+def ids_of(backend: str, problem) -> torch.Tensor:
     """The ids of ``problem`` (a gathered :class:`~sp_kpool.backends.base.Problem`) by the
     backend named ``backend``: the pipeline's stages 3-8 (:func:`sp_kpool.pipeline.solve`)."""
     from ..pipeline import solve

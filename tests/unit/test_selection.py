@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -409,6 +411,22 @@ def test_reference_slice_problem_is_rank_3_of_4():
                            max_logits_bytes=current_settings().logits_budget("cpu"))  # fmt: skip
     assert (p.seq.shard_start, p.seq.shard_end, p.precision, p.max_logits_bytes) == (48, 64, "fp8", q.max_logits_bytes)
     assert torch.equal(p.q, q.q) and torch.equal(p.k, q.k)
+
+
+def test_ids_of_a_gathered_problem_equal_the_simulated_rank():
+    # the GPU checks' helper (tests/gpu): the ids of a rank's gathered problem by a backend
+    # name are the ranks' outputs of the pipeline
+    from sp_kpool.testing.gpu_checks import ids_of
+    from sp_kpool.testing.problems import rank_slice_problem
+
+    p = rank_slice_problem(50, 2, 1, heads=4, head_dim=16, kpool=4, topk=8, device="cpu", max_logits_bytes=4096)
+    inputs = dict(q=p.q.float(), head_weights=p.head_weights.float(), k=p.k.float(), gates=p.gates.float(),
+                  ape=p.ape.float())  # fmt: skip
+    from sp_kpool.pipeline import run_gathered
+
+    want = run_gathered(inputs, p.seq, p.config).ids
+    got = ids_of("torch", dataclasses.replace(p, **inputs))
+    assert torch.equal(got, want) and int((got >= 0).sum()) > 0
 
 
 def test_default_path_pools_once_in_the_pipeline(monkeypatch):
