@@ -169,6 +169,9 @@ def main():
                     help="selector launches 'name=value[+name=value]' (keyword arguments of topk_ascending: capg, ways, "
                          "maxnreg, vsteps, ...), comma-separated, timed on the fp8 logits after the default launch and "
                          "compared with its answer (a repeated launch is timed again)")
+    ap.add_argument("--prompt-fraction", type=float, default=0.0,
+                    help="that fraction of the document is its prompt: its pools are compressed in the extend "
+                         "order (the serving compression schedule); default 0: all decode")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -183,7 +186,8 @@ def main():
         for precision, name in (("bf16", "tilelang"), ("fp8", "deepgemm")):
             if precision not in args.arms.split(","):
                 continue
-            p = reference_slice_problem(H, precision, total=args.total, seed=H, max_logits_bytes=args.budget or None)
+            p = reference_slice_problem(H, precision, total=args.total, seed=H, max_logits_bytes=args.budget or None,
+                                        prompt_fraction=args.prompt_fraction)  # fmt: skip
             pairs = causal_pairs(p)
             flops = 2.0 * pairs * H * 128
             row = {"backend": name, "precision": precision, "H": H, "rows": p.q.shape[0], "causal_pairs": pairs}

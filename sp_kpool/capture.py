@@ -13,6 +13,7 @@ One file per rank and captured call::
     hidden          [S_local, hidden_size]      as given    this rank's rows (padding rows as given)
     q_resid         [S_local, q_lora_rank]      as given    this rank's rows
     cu_seq_lens     [num_docs + 1]              int64       global, padded (``ShardedSequence.cu_seq_lens``)
+    prompt_lens     [num_real_docs]             int64       ``ShardedSequence.prompt_lens``, when the call had them
     ids             [S_local, W]                int32       what the live call returned
     param.<name>    checkpoint shapes           as stored   the seven indexer tensors (``wq_b.weight``, ...)
 
@@ -152,6 +153,8 @@ def write_capture(
         "ids": _cpu(ids),
         **{f"param.{n}": _cpu(params[n]) for n in PARAM_NAMES},
     }
+    if seq.prompt_lens is not None:
+        tensors["prompt_lens"] = torch.tensor(seq.prompt_lens, dtype=torch.int64)
     from . import __version__
 
     full = {
@@ -269,6 +272,9 @@ class Capture:
     ids: torch.Tensor
     params: dict[str, torch.Tensor]
     crc32: dict[str, int]
+    #: ``[num_real_docs]`` int64, or ``None``: a call without a compression schedule, or a
+    #: capture written before schedules were recorded (replayed as all decode order).
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -283,7 +289,11 @@ class Capture:
         from .sharding import ShardedSequence
 
         cu = self.cu_seq_lens[:-1] if self.meta["num_padding"] else self.cu_seq_lens
-        seq = ShardedSequence.split(cu, world_size=self.world_size, rank=self.rank)
+        prompts = self.prompt_lens.tolist() if self.prompt_lens is not None else None
+        try:
+            seq = ShardedSequence.split(cu, world_size=self.world_size, rank=self.rank, prompt_lens=prompts)
+        except (TypeError, ValueError) as exc:
+            raise CaptureError(f"{self.path}: its prompt_lens do not fit its documents ({exc})") from None
         got = (seq.shard_start, seq.shard_size, seq.num_padding)
         want = (self.meta["shard_start"], self.meta["shard_size"], self.meta["num_padding"])
         if got != want or not torch.equal(seq.cu_seq_lens, self.cu_seq_lens):
@@ -321,6 +331,9 @@ class Capture:
         )  # fmt: skip
         mod._capture = None  # never re-capture a replay, whatever the environment says
         mod.load_state_dict({n: t.to(device) for n, t in self.params.items()}, strict=True, assign=True)
+        for name in mod.FP32_PARAMETERS:  # assign= takes the stored dtype (older captures: BF16, exact in FP32)
+            p = mod.get_parameter(name)
+            p.data = p.data.float()
         return mod.requires_grad_(False)
 
 
@@ -352,7 +365,7 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
             want = {*_DATA, *(f"param.{n}" for n in PARAM_NAMES)}
             if want - names:
                 raise _fail(path, f"missing tensors {sorted(want - names)}")
-            tensors = {n: fh.get_tensor(n) for n in sorted(want)}
+            tensors = {n: fh.get_tensor(n) for n in sorted(want | ({"prompt_lens"} & names))}
     except CaptureError:
         raise
     except Exception as exc:  # safetensors raises its own error type (and OSError, ...)
@@ -396,7 +409,7 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
     cap = Capture(
         path=path, meta=meta, hidden=tensors["hidden"], q_resid=tensors["q_resid"],
         cu_seq_lens=tensors["cu_seq_lens"], ids=tensors["ids"],
-        params={n: tensors[f"param.{n}"] for n in PARAM_NAMES}, crc32=crc,
+        params={n: tensors[f"param.{n}"] for n in PARAM_NAMES}, crc32=crc, prompt_lens=tensors.get("prompt_lens"),
     )  # fmt: skip
     _check_shapes(cap)
     return cap
@@ -479,6 +492,9 @@ def load_capture_set(path: str | os.PathLike, *, verify: bool = True) -> tuple[C
         diff = [f"{k}: {c.meta[k]!r} vs {cap.meta[k]!r}" for k in same if c.meta[k] != cap.meta[k]]
         if not torch.equal(c.cu_seq_lens, cap.cu_seq_lens):
             diff.append("cu_seq_lens differ")
+        if (c.prompt_lens is None) != (cap.prompt_lens is None) or (
+                c.prompt_lens is not None and not torch.equal(c.prompt_lens, cap.prompt_lens)):  # fmt: skip
+            diff.append("prompt_lens differ")
         diff += [f"param {n} differs" for n in PARAM_NAMES if c.crc32[f"param.{n}"] != cap.crc32[f"param.{n}"]]
         if diff:
             raise _fail(c.path, f"does not belong to the same call as {cap.path.name}: " + "; ".join(diff))

@@ -121,6 +121,7 @@ def _cmd_parity(args) -> int:
                     hidden_size=args.hidden_size, q_lora_rank=args.q_lora_rank, heads=args.heads,
                     head_dim=args.head_dim, topk=args.topk, kpool=args.kpool, precision=args.capture_precision,
                     backend=args.capture_backend, device=args.device, seed=args.seed,
+                    prompt_lens=args.prompt_fraction,
                 )  # fmt: skip
                 capture = str(paths[args.rank])
             elif capture is None:
@@ -156,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         "parity",
         help="replay a captured indexer call in two arms (precision[:backend]) and compare them",
         description="Recompute a capture (sp_kpool.capture) in arms A and B on identical inputs and print "
-        "a table; with --out also parity.json, parity.txt and two PNG plots. An arm is precision[:backend], "
-        "precision in bf16, bf16-serving, fp8; backend defaults to auto.",
+        "a table; with --out also parity.json, parity.txt and two PNG plots. An arm is "
+        "precision[:backend][+decode], precision in bf16, bf16-serving, fp8; backend defaults to auto; "
+        "+decode compresses every pool in the decode order, ignoring the captured prompt lengths "
+        "(fp8 vs fp8+decode: what the compression schedule changes).",
     )
     par.add_argument("capture", nargs="?", metavar="CAPTURE", help="a capture file (other ranks' files are read from its directory)")
     par.add_argument("--a", default="fp8", help="arm A (default fp8)")
@@ -183,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     syn.add_argument("--capture-precision", default="bf16", help="precision of the simulated live call")
     syn.add_argument("--capture-backend", default="auto", help="backend of the simulated live call")
     syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--prompt-fraction", type=float, default=None,
+                     help="record prompt lengths of this fraction of every document (the serving compression "
+                          "schedule: prompt pools in extend order); default: none (all decode)")  # fmt: skip
     args = ap.parse_args(argv)
     return {"info": _cmd_info, "demo": _cmd_demo, "parity": _cmd_parity}[args.cmd](args)
 

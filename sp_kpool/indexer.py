@@ -44,7 +44,9 @@ class KPoolIndexer(nn.Module):
             :class:`~sp_kpool.config.KPoolConfig` (see ``kpool_topk``).
         backend, gather, balance, balance_block, balance_row_cost: its
             :class:`~sp_kpool.config.RunOptions` (none changes an output bit).
-        device, dtype: of the parameters.
+        device, dtype: of the parameters; ``weights_proj.weight`` and ``k_norm`` are stored
+            in FP32 whatever ``dtype`` (as serving builds them; ``module.to(dtype)`` keeps
+            them FP32), and ``bf16`` computes with them in the module dtype.
         capture_dir: record the inputs of the first forward call(s) to ``safetensors`` files
             in this directory, one per rank (default ``settings.capture_dir``,
             ``$SP_KPOOL_CAPTURE_DIR``; unset: no capture). See :mod:`sp_kpool.capture`;
@@ -102,12 +104,28 @@ class KPoolIndexer(nn.Module):
         self.head_dim = index_head_dim
         self.wq_b = nn.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False, **fk)
         self.wk = nn.Linear(hidden_size, index_head_dim, bias=False, **fk)
-        self.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6, **fk)
-        self.weights_proj = nn.Linear(hidden_size, index_n_heads, bias=False, **fk)
+        # the key norm and the head gate are stored in FP32 whatever ``dtype``, as serving
+        # builds them (a BF16 checkpoint loads exactly; see _apply)
+        fp32 = {"device": device, "dtype": torch.float32}
+        self.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6, **fp32)
+        self.weights_proj = nn.Linear(hidden_size, index_n_heads, bias=False, **fp32)
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(index_kpool, index_head_dim, **fk))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(index_head_dim, hidden_size, **fk))
         self.requires_grad_(False)
         self._capture = _capture_mod.hook_for(capture_dir, self.settings)  # None: no capture, no cost
+
+    #: Parameters kept in FP32 by ``module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` (device
+    #: moves still apply): serving's head gate and key norm weights.
+    FP32_PARAMETERS = ("weights_proj.weight", "k_norm.weight", "k_norm.bias")
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: self.get_parameter(name).data for name in self.FP32_PARAMETERS}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            p = self.get_parameter(name)
+            if p.dtype != torch.float32:  # a dtype conversion: keep the FP32 values, take the move
+                p.data = old.to(device=p.device, dtype=torch.float32)
+        return self
 
     @property
     def precision(self) -> str | None:
@@ -132,11 +150,13 @@ class KPoolIndexer(nn.Module):
             hidden: ``[S_local, hidden_size]``; q_resid: ``[S_local, q_lora_rank]``.
             precision: as in the constructor (default: the module's). In the serving modes
                 the key LayerNorm and the head-gate projection run in FP32 with autocast
-                disabled and are cast back to the parameter dtype, as serving does.
+                disabled, as serving does: the keys are cast back to the key dtype, the head
+                gate **stays FP32** (it goes unrounded into the query weights). In ``bf16``
+                both run in the module dtype, as ``transformers``' indexer does.
 
         Returns a dict with ``q [S_local, H, D]``, ``k [S_local, D]``, ``gates
-        [S_local, D]``, ``head_weights [S_local, H]`` and ``ape [K, D]``, in the
-        parameter dtype (``head_weights`` in the ``weights_proj`` dtype).
+        [S_local, D]`` and ``ape [K, D]`` in the module dtype, and ``head_weights
+        [S_local, H]``: float32 in the serving modes, the module dtype in ``bf16``.
         """
         for name, x, width in (("hidden", hidden, self.hidden_size), ("q_resid", q_resid, self.wq_b.in_features)):
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != width:
@@ -149,16 +169,17 @@ class KPoolIndexer(nn.Module):
         precision = resolve_precision(self.precision if precision is None else precision, self.settings)
         q = self.wq_b(q_resid).view(q_resid.shape[0], self.n_heads, self.head_dim)
         gates = F.linear(hidden, self.index_kpool_compress_gate)
+        n = self.k_norm
         if precision in SERVING_PRECISIONS:
             with torch.autocast(hidden.device.type, enabled=False):
                 kx = self.wk(hidden)
-                n = self.k_norm
                 k = F.layer_norm(kx.float(), n.normalized_shape, n.weight.float(), n.bias.float(), n.eps).to(kx.dtype)
-                wdt = self.weights_proj.weight
-                w = F.linear(hidden.float(), wdt.float()).to(wdt.dtype)
-        else:
-            k = self.k_norm(self.wk(hidden))
-            w = self.weights_proj(hidden.to(self.weights_proj.weight.dtype))
+                w = F.linear(hidden.float(), self.weights_proj.weight.float())  # FP32, not rounded back
+        else:  # the model definition: the module dtype (the FP32-stored weights hold its values)
+            kx = self.wk(hidden)
+            dt = self.wk.weight.dtype
+            k = F.layer_norm(kx, n.normalized_shape, n.weight.to(dt), n.bias.to(dt), n.eps)
+            w = F.linear(hidden.to(dt), self.weights_proj.weight.to(dt))
         return {"q": q, "k": k, "gates": gates, "head_weights": w, "ape": self.index_kpool_compress_ape}
 
     @torch.no_grad()

@@ -159,6 +159,7 @@ def _signature(q, seq, call: Call | None) -> list[tuple[str, int]]:
         ("len(cu_seq_lens)", seq.cu_seq_lens.numel()),
         ("shard_size", seq.shard_size),
         ("world_size", seq.world_size),
+        ("prompt_lens (crc32)", zlib.crc32(repr(seq.prompt_lens).encode())),
         ("q.shape[1] (H)", q.shape[1] if three else -1),
         ("q.shape[2] (D)", q.shape[2] if three else -1),
     ]
@@ -242,7 +243,8 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     pools = queries = None
     if plan.chunks:
         with stage(problem, "pool"):  # 5. pool and prepare
-            pool_in = None if pooled is not None else PoolInputs(problem.k, problem.gates, plan.pool_tok_start)
+            pool_in = None if pooled is not None else PoolInputs(problem.k, problem.gates, plan.pool_tok_start,
+                                                                 plan.extend)  # fmt: skip
             built, queries = backend.prepare(problem, pool_in, QueryInputs(q_rows, w_rows, rows[0], *plan.padding()))
         pools = pooled if pooled is not None else built
         selected = select_chunks(backend, problem, pools, queries, plan)  # 6. score and select

@@ -39,6 +39,7 @@ import torch
 
 from . import _device
 from ._device import to_device
+from .pooling import extend_pools
 from .selection import RowMeta, row_meta
 
 __all__ = ["Chunk", "ChunkPlan", "TableCache", "plan_chunks", "grid_span", "pad_rows", "round_rows",
@@ -132,6 +133,7 @@ class ChunkPlan:
     cu: torch.Tensor
     offs: torch.Tensor
     bounds: torch.Tensor
+    extend: torch.Tensor | None = None
     _ranges: torch.Tensor | None = field(default=None, repr=False)
     _meta: RowMeta | None = field(default=None, repr=False)
 
@@ -187,7 +189,7 @@ def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch
         return build()
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     # the boundaries by value too: an in-place change of seq.cu_seq_lens is another plan
-    key = (tuple(seq.cu_seq_lens.tolist()), kpool, C, lo_row, hi_row, device, stream)
+    key = (tuple(seq.cu_seq_lens.tolist()), seq.prompt_lens, kpool, C, lo_row, hi_row, device, stream)
     return seq.tables.get(key, build)
 
 
@@ -209,13 +211,19 @@ def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.devi
             d0, d1 = doc(g0), doc(g1 - 1)
             chunks.append(Chunk(i, g0, g1, offs[d0], offs[d1] + (g1 - 1 - cu[d1] + 1) // K))
     shift = [cu[d] - offs[d] * K for d in range(len(cu) - 1)]  # pool p of doc d starts at shift[d] + p * K
+    ext = extend_pools(seq.real_cu_seq_lens, seq.prompt_lens, K) if seq.has_prompts else None
+    ext = ext if ext is not None and bool(ext.any()) else None
     host = torch.tensor(cu + offs + shift + [v for c in chunks for v in (c.pool_lo, c.pool_hi)], dtype=torch.int64)
+    if ext is not None:  # in the same one copy
+        host = torch.cat([host, ext.to(torch.int64)])
     flat = to_device(host, device)
-    n = len(cu)
-    cu_d, offs_d, shift_d, bounds = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n - 1], flat[3 * n - 1 :].view(-1, 2)
+    n, nb = len(cu), 2 * len(chunks)
+    cu_d, offs_d, shift_d = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n - 1]
+    bounds = flat[3 * n - 1 : 3 * n - 1 + nb].view(-1, 2)
+    extend = flat[3 * n - 1 + nb :] != 0 if ext is not None else None
     pid = torch.arange(P, device=device)
     pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
-    return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds)
+    return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds, extend)
 
 
 def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:

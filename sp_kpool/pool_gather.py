@@ -35,6 +35,7 @@ from .comm import (
     pack_rows,
     unpack_rows,
 )
+from .pooling import extend_pools
 from .timing import stage
 
 __all__ = ["PoolShards", "pool_shards", "gather_pools"]
@@ -104,12 +105,13 @@ def _seam_rows(problem: Any, shards: PoolShards, stats: CommStats | None) -> tup
     return torch.cat(k_parts), torch.cat(g_parts)
 
 
-def _pool_local(backend: Any, problem: Any, k_ext, g_ext, local: torch.Tensor) -> Pools:
-    """The pools at rows ``local`` of ``k_ext``/``g_ext``. With no pool here, one zero pool
-    is built for the representation (dtypes, widths) and dropped, so that every rank
-    contributes rows of the same layout to the all-gather."""
+def _pool_local(backend: Any, problem: Any, k_ext, g_ext, local: torch.Tensor, extend: torch.Tensor | None) -> Pools:
+    """The pools at rows ``local`` of ``k_ext``/``g_ext`` (``extend``: their compression
+    orders, or ``None``). With no pool here, one zero pool is built for the representation
+    (dtypes, widths) and dropped, so that every rank contributes rows of the same layout to
+    the all-gather."""
     if local.numel():
-        return backend.prepare(problem, PoolInputs(k_ext, g_ext, local), None)[0]
+        return backend.prepare(problem, PoolInputs(k_ext, g_ext, local, extend), None)[0]
     kpool, device = problem.kpool, problem.device
     zk = k_ext.new_zeros((kpool, k_ext.shape[1]))
     zg = g_ext.new_zeros((kpool, g_ext.shape[1]))
@@ -146,7 +148,11 @@ def gather_pools(
     with stage(problem, "pool"):
         a, b = shards.first[me], shards.first[me + 1]
         local = to_device(pool_tok_start[a:b] - me * ss, problem.device)
-        pooled = _pool_local(backend, problem, k_ext, g_ext, local)
+        extend = None
+        if seq.has_prompts:  # the compression order of each pool built here
+            ext = extend_pools(seq.real_cu_seq_lens, seq.prompt_lens, problem.kpool)
+            extend = to_device(ext[a:b], problem.device) if bool(ext.any()) else None
+        pooled = _pool_local(backend, problem, k_ext, g_ext, local, extend)
     if R == 1:
         return pooled
     with stage(problem, "gather"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pool_table", "compress_pools_bf16"]
+__all__ = ["pool_table", "extend_pools", "compress_pools_bf16"]
 
 
 def pool_table(cu_seq_lens: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +43,32 @@ def pool_table(cu_seq_lens: torch.Tensor, kpool: int) -> tuple[torch.Tensor, tor
     pool_tok_start = torch.repeat_interleave(shift, counts, output_size=total)
     pool_tok_start += torch.arange(0, total * kpool, kpool, dtype=torch.int64)
     return pool_tok_start, doc_pool_offset
+
+
+def extend_pools(real_cu_seq_lens: torch.Tensor, prompt_lens, kpool: int) -> torch.Tensor:
+    """Which complete pools serving compresses in the extend (prefill) order.
+
+    Pool ``p`` (document-local) of document ``d`` closed during the prefill of a prompt of
+    ``prompt_lens[d]`` tokens when its last token lies in the prompt: ``(p + 1) * K <=
+    prompt_lens[d]``, i.e. ``p < prompt_lens[d] // K``; every other pool was closed by a
+    decoding forward (decode order)::
+
+        K = 4, document of 14 tokens, prompt of 9
+        tokens   0 1 2 3 | 4 5 6 7 | 8 . . . 12 13
+        prompt   ------------------- 8 |
+        pools    0 extend  1 extend  2 decode    (13: partial, never built)
+
+    Args:
+        real_cu_seq_lens: ``[num_docs + 1]`` int64 (CPU), real documents only.
+        prompt_lens: one int per real document (``0 <= P_d <= len_d``).
+        kpool: pool size ``K``.
+
+    Returns:
+        ``[P]`` bool (CPU), in the order of :func:`pool_table`.
+    """
+    lengths = (real_cu_seq_lens[1:] - real_cu_seq_lens[:-1]).tolist()
+    parts = [torch.arange(n // kpool) < int(p) // kpool for n, p in zip(lengths, prompt_lens)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
 
 
 def compress_pools_bf16(

@@ -4,8 +4,9 @@
 precision          pools                                        key norm, head gate
 =================  ===========================================  =====================
 ``bf16``           FP32 slot softmax, weighted sum in key dtype  module dtype
-``bf16-serving``   serving decode compression (FP32), BF16       FP32, autocast off
-``fp8``            decode compression, BF16, Hadamard, BF16,     FP32, autocast off
+``bf16-serving``   serving compression (FP32; decode or extend   FP32, autocast off;
+                   order per pool), BF16                        head gate kept FP32
+``fp8``            serving compression, BF16, Hadamard, BF16,    as ``bf16-serving``
                    E4M3 with UE8M0 scales; queries rotated and
                    quantized, scales folded into head weights
 =================  ===========================================  =====================

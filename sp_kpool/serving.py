@@ -5,7 +5,8 @@ builds and scores index pools, so that the FP8 adapter can be checked bit for bi
 
     closed pool                                   query
     -----------                                   -----
-    compress_pools_decode  (FP32, two passes)     q.float()
+    compress_pools_serving (FP32: decode order,   q.float()
+      two passes, or extend order, online)
     -> round to BF16, back to FP32                -> hadamard (FP32)
     -> hadamard (FP32)                            -> round to BF16
     -> round to BF16                              -> quantize_e4m3 per (row, head)
@@ -14,7 +15,8 @@ builds and scores index pools, so that the FP8 adapter can be checked bit for bi
                   mqa_logits_fp8_reference  (DeepGEMM fp8_mqa_logits, dequantized)
 
 ``prepare_pools_bf16_serving`` and ``scores_bf16_serving`` are the BF16 arm on the same
-decode-mode pools (no rotation), scored per contract §3 in FP32.
+pools (no rotation), scored per contract §3 in FP32. Which pools take the extend order
+(those closed during the prompt's prefill) is :func:`sp_kpool.pooling.extend_pools`.
 
 Every function computes in FP32 whatever the ambient autocast state (autocast is disabled
 inside), works on CPU and CUDA, and has no distributed code. Matrix products additionally
@@ -30,6 +32,7 @@ applied as an FP32 multiplication.
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 from collections.abc import Iterator
 
@@ -42,6 +45,8 @@ __all__ = [
     "ue8m0_scale",
     "quantize_e4m3",
     "compress_pools_decode",
+    "compress_pools_extend",
+    "compress_pools_serving",
     "prepare_pools_bf16_serving",
     "prepare_pools_fp8",
     "prepare_queries_fp8",
@@ -237,37 +242,8 @@ def quantize_e4m3(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.T
 # ------------------------------------------------------------------ pool compression
 
 
-def compress_pools_decode(
-    k: torch.Tensor,
-    gates: torch.Tensor,
-    ape: torch.Tensor,
-    pool_tok_start: torch.Tensor,
-) -> torch.Tensor:
-    """Pool keys in serving's "decode" mode, FP32 (contract §2 and §6 step 1).
-
-    Args:
-        k: ``[S, D]``, any float dtype; the normalized index keys.
-        gates: ``[S, D]``, any float dtype; the per-token, per-channel pool gate ``g``.
-        ape: ``[K, D]``, any float dtype; the per-slot, per-channel bias. ``K`` = pool size.
-        pool_tok_start: ``[P]``, int64; token id (row of ``k``) of slot 0 of each
-            **complete** pool: pool ``p`` covers rows ``pool_tok_start[p] + 0 .. K-1``.
-            Partial pools are never compressed here. Checked to lie in ``[0, S - K]``
-            (one host sync).
-
-    Returns:
-        ``[P, D]``, float32: ``num / den`` per pool and channel, where with
-        ``s_j = gates[t_j].float() + ape[j].float()`` (``t_j`` the token of slot ``j``):
-
-        - pass 1: ``m = max_j s_j`` (``torch.maximum`` over slots ``0..K-1``);
-        - pass 2, slots in order ``j = 0..K-1``, FP32 accumulators starting at zero:
-          ``e = exp(s_j - m)``, ``den = den + e``, ``num = num + (k[t_j].float() * e)``
-          (the product is rounded before the add: no FMA).
-
-        The order is explicit (a Python loop over slots), so results do not depend on
-        reduction heuristics; ``exp`` is the backend's FP32 ``torch.exp`` (CPU and CUDA
-        ``exp`` may differ in the last bit). Serving's "extend" mode (online softmax) is a
-        different order and is not what this computes.
-    """
+def _check_pool_args(k, gates, ape, pool_tok_start) -> tuple[torch.Tensor, ...]:
+    """The arguments of the compression functions, checked (see :func:`compress_pools_decode`)."""
     k = _check_tensor("k", k)
     gates = _check_tensor("gates", gates)
     ape = _check_tensor("ape", ape)
@@ -291,30 +267,121 @@ def compress_pools_decode(
         raise ValueError(f"ape: expected K >= 1 rows [K, D], got shape {tuple(ape.shape)}")
     for name, t in (("gates", gates), ("ape", ape), ("pool_tok_start", pool_tok_start)):
         _check_device(name, t, k.device)
-    n_pools = pool_tok_start.shape[0]
-    if n_pools > 0:
+    if pool_tok_start.shape[0] > 0:
         lo, hi = torch.stack((pool_tok_start.min(), pool_tok_start.max())).tolist()
         if lo < 0 or hi > s_tok - pool:
             raise ValueError(
                 f"pool_tok_start: expected values in [0, S - K] = [0, {s_tok - pool}] "
                 f"(S={s_tok}, K={pool}), got min {lo}, max {hi}"
             )
+    return k, gates, ape, pool_tok_start
+
+
+def _slot_logits(k, gates, ape, pool_tok_start):
+    """Per slot ``j``: the rows of the pools' tokens and ``s_j = f32(g) + f32(ape_j)`` ``[P, D]``."""
+    rows = [pool_tok_start + j for j in range(ape.shape[0])]
+    ape_f = ape.float()
+    return rows, [gates.index_select(0, rows[j]).float() + ape_f[j] for j in range(ape.shape[0])]
+
+
+def compress_pools_decode(
+    k: torch.Tensor,
+    gates: torch.Tensor,
+    ape: torch.Tensor,
+    pool_tok_start: torch.Tensor,
+) -> torch.Tensor:
+    """Pool keys in serving's "decode" order (two passes), FP32 (contract §2 and §6 step 1).
+
+    Args:
+        k: ``[S, D]``, any float dtype; the normalized index keys.
+        gates: ``[S, D]``, any float dtype; the per-token, per-channel pool gate ``g``.
+        ape: ``[K, D]``, any float dtype; the per-slot, per-channel bias. ``K`` = pool size.
+        pool_tok_start: ``[P]``, int64; token id (row of ``k``) of slot 0 of each
+            **complete** pool: pool ``p`` covers rows ``pool_tok_start[p] + 0 .. K-1``.
+            Partial pools are never compressed here. Checked to lie in ``[0, S - K]``
+            (one host sync).
+
+    Returns:
+        ``[P, D]``, float32: ``num / den`` per pool and channel, where with
+        ``s_j = gates[t_j].float() + ape[j].float()`` (``t_j`` the token of slot ``j``):
+
+        - pass 1: ``m = max_j s_j`` (``torch.maximum`` over slots ``0..K-1``);
+        - pass 2, slots in order ``j = 0..K-1``, FP32 accumulators starting at zero:
+          ``e = exp(s_j - m)``, ``den = den + e``, ``num = num + (k[t_j].float() * e)``
+          (the product is rounded before the add: no FMA).
+
+        The order is explicit (a Python loop over slots), so results do not depend on
+        reduction heuristics; ``exp`` is the backend's FP32 ``torch.exp`` (CPU and CUDA
+        ``exp`` may differ in the last bit). Serving's "extend" order is
+        :func:`compress_pools_extend`.
+    """
+    k, gates, ape, pool_tok_start = _check_pool_args(k, gates, ape, pool_tok_start)
+    n_pools, d = pool_tok_start.shape[0], k.shape[1]
     with _fp32_region(k.device):
         if n_pools == 0:
             return torch.zeros((0, d), dtype=torch.float32, device=k.device)
-        rows = [pool_tok_start + j for j in range(pool)]
-        ape_f = ape.float()
-        logits = [gates.index_select(0, rows[j]).float() + ape_f[j] for j in range(pool)]
+        rows, logits = _slot_logits(k, gates, ape, pool_tok_start)
         m = logits[0]
-        for j in range(1, pool):
+        for j in range(1, len(rows)):
             m = torch.maximum(m, logits[j])
         den = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
         num = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
-        for j in range(pool):
+        for j in range(len(rows)):
             e = torch.exp(logits[j] - m)
             den = den + e
             num = num + k.index_select(0, rows[j]).float() * e
         return num / den
+
+
+def compress_pools_extend(
+    k: torch.Tensor,
+    gates: torch.Tensor,
+    ape: torch.Tensor,
+    pool_tok_start: torch.Tensor,
+) -> torch.Tensor:
+    """Pool keys in serving's "extend" order (the online-softmax recurrence), FP32: how
+    serving compresses a pool closed by a prefill forward (contract §6 step 1).
+
+    Args: as :func:`compress_pools_decode`.
+
+    Returns:
+        ``[P, D]``, float32: with ``s_j`` as there and ``m = -inf``, ``den = acc = 0``, for
+        each slot ``j = 0..K-1`` in order, every operation rounded to FP32 on its own (no
+        FMA): ``m' = max(m, s_j)``, ``r = exp(m - m')``, ``p = exp(s_j - m')``,
+        ``den = den * r + p``, ``acc = acc * r + k[t_j].float() * p``, ``m = m'``; then
+        ``acc / den`` (correctly rounded division).
+    """
+    k, gates, ape, pool_tok_start = _check_pool_args(k, gates, ape, pool_tok_start)
+    n_pools, d = pool_tok_start.shape[0], k.shape[1]
+    with _fp32_region(k.device):
+        if n_pools == 0:
+            return torch.zeros((0, d), dtype=torch.float32, device=k.device)
+        rows, logits = _slot_logits(k, gates, ape, pool_tok_start)
+        m = torch.full((n_pools, d), -math.inf, dtype=torch.float32, device=k.device)
+        den = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
+        acc = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
+        for j in range(len(rows)):
+            m_new = torch.maximum(m, logits[j])
+            r = torch.exp(m - m_new)
+            p = torch.exp(logits[j] - m_new)
+            den = den * r + p
+            acc = acc * r + k.index_select(0, rows[j]).float() * p
+            m = m_new
+        return acc / den
+
+
+def compress_pools_serving(k, gates, ape, pool_tok_start, extend: torch.Tensor | None = None) -> torch.Tensor:
+    """Serving's compression with the order chosen per pool: ``extend [P]`` bool (on
+    ``k.device``; ``True``: :func:`compress_pools_extend`, ``False``:
+    :func:`compress_pools_decode`), or ``None``: every pool in decode order. ``[P, D]`` float32."""
+    pooled = compress_pools_decode(k, gates, ape, pool_tok_start)
+    if extend is None:
+        return pooled
+    extend = _check_tensor("extend", extend)
+    _check_dtype("extend", extend, torch.bool)
+    _check_dim("extend", extend, 0, pool_tok_start.shape[0], "P of pool_tok_start")
+    _check_device("extend", extend, k.device)
+    return torch.where(extend[:, None], compress_pools_extend(k, gates, ape, pool_tok_start), pooled)
 
 
 def prepare_pools_bf16_serving(
@@ -322,15 +389,17 @@ def prepare_pools_bf16_serving(
     gates: torch.Tensor,
     ape: torch.Tensor,
     pool_tok_start: torch.Tensor,
+    extend: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode-mode pool keys stored in BF16, no rotation (the BF16 serving arm).
+    """Serving pool keys stored in BF16, no rotation (the BF16 serving arm).
 
-    Args: as :func:`compress_pools_decode`.
+    Args: as :func:`compress_pools_serving` (``extend``: the pools compressed in extend
+    order; ``None``: all in decode order).
 
     Returns:
-        ``[P, D]``, bfloat16: ``compress_pools_decode(...).to(torch.bfloat16)``.
+        ``[P, D]``, bfloat16: ``compress_pools_serving(...).to(torch.bfloat16)``.
     """
-    return compress_pools_decode(k, gates, ape, pool_tok_start).to(torch.bfloat16)
+    return compress_pools_serving(k, gates, ape, pool_tok_start, extend).to(torch.bfloat16)
 
 
 def prepare_pools_fp8(
@@ -338,17 +407,19 @@ def prepare_pools_fp8(
     gates: torch.Tensor,
     ape: torch.Tensor,
     pool_tok_start: torch.Tensor,
+    extend: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 pool keys as serving stores them (contract §6 step 1 to §6 step 4).
 
-    Args: as :func:`compress_pools_decode`.
+    Args: as :func:`compress_pools_serving` (``extend``: the pools compressed in extend
+    order; ``None``: all in decode order).
 
     Returns:
         k8: ``[P, D]``, float8_e4m3fn; k_scale: ``[P]``, float32. Steps:
-        ``compress_pools_decode`` -> ``.to(bfloat16).float()`` -> :func:`hadamard` ->
+        ``compress_pools_serving`` -> ``.to(bfloat16).float()`` -> :func:`hadamard` ->
         ``.to(bfloat16)`` -> :func:`quantize_e4m3` along ``D``. ``D`` must be a power of two.
     """
-    pooled = compress_pools_decode(k, gates, ape, pool_tok_start)
+    pooled = compress_pools_serving(k, gates, ape, pool_tok_start, extend)
     _check_power_of_two("k", pooled.shape[-1])
     with _fp32_region(pooled.device):
         rotated = hadamard(pooled.to(torch.bfloat16).float()).to(torch.bfloat16).float()

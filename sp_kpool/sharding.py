@@ -61,6 +61,30 @@ def _as_cu_seq_lens(cu_seq_lens: Any) -> torch.Tensor:
     return cu
 
 
+def _as_prompt_lens(prompt_lens: Any, cu: torch.Tensor) -> tuple[int, ...] | None:
+    """``prompt_lens`` validated against the documents of ``cu`` (a tuple), or ``None``."""
+    if prompt_lens is None:
+        return None
+    if isinstance(prompt_lens, torch.Tensor):
+        if prompt_lens.dtype.is_floating_point or prompt_lens.dtype == torch.bool or prompt_lens.dim() != 1:
+            raise TypeError(f"prompt_lens: expected a 1-D integer tensor or a list of ints, got {prompt_lens.dtype} "
+                            f"{list(prompt_lens.shape)}")  # fmt: skip
+        values = prompt_lens.tolist()
+    else:
+        try:
+            values = list(prompt_lens)
+        except TypeError:
+            raise TypeError(f"prompt_lens: expected a list of ints, got {type(prompt_lens).__name__}") from None
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    if len(values) != len(lengths):
+        raise ValueError(f"prompt_lens: expected one length per document ({len(lengths)}), got {len(values)}")
+    for d, (p, n) in enumerate(zip(values, lengths)):
+        check_int(f"prompt_lens[{d}]", p)
+        if not 0 <= p <= n:
+            raise ValueError(f"prompt_lens[{d}]: expected 0 <= prompt_lens[{d}] <= len = {n}, got {p}")
+    return tuple(values)
+
+
 @dataclass(frozen=True, eq=False)
 class ShardedSequence:
     """A packed sequence split into equal contiguous query shards, one per rank.
@@ -75,6 +99,12 @@ class ShardedSequence:
         group: the ``torch.distributed`` process group (``None`` means the default group
             when ``world_size > 1``, and no communication at all when ``world_size == 1``).
         num_padding: padding tokens at the end (``0 <= num_padding < world_size``).
+        prompt_lens: the prompt length of every real document (a tuple of ints,
+            ``0 <= P_d <= len_d``), or ``None``: the serving arithmetics then compress the
+            pools closed inside the prompt in the extend order, the others in the decode
+            order, as a single-turn rollout's prefill and decoding did
+            (:func:`sp_kpool.pooling.extend_pools`); ``None`` (or all zero): every pool in
+            decode order. The ``bf16`` model arithmetic has one order and ignores it.
         tables: the pipeline's tables for this sequence (:class:`sp_kpool.plan.TableCache`):
             every layer called with this object after the first reuses them.
     """
@@ -86,6 +116,7 @@ class ShardedSequence:
     world_size: int
     group: Any = None
     num_padding: int = 0
+    prompt_lens: tuple[int, ...] | None = None
     tables: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -102,6 +133,7 @@ class ShardedSequence:
         world_size: int,
         rank: int,
         group: Any = None,
+        prompt_lens: Sequence[int] | None = None,
     ) -> "ShardedSequence":
         """Split the packed sequence ``cu_seq_lens`` into ``world_size`` equal shards.
 
@@ -111,6 +143,9 @@ class ShardedSequence:
             world_size: number of ranks, >= 1.
             rank: this rank, in ``[0, world_size)``.
             group: process group used by collectives (not queried here).
+            prompt_lens: one prompt length per document of ``cu_seq_lens``
+                (``0 <= P_d <= len_d``), or ``None`` (see the attribute). Every rank must
+                pass the same values (checked by the operator's agreement).
 
         Raises ``ValueError``/``TypeError`` naming the argument and the bad value.
         """
@@ -119,6 +154,7 @@ class ShardedSequence:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         cu = _as_cu_seq_lens(cu_seq_lens)
+        prompts = _as_prompt_lens(prompt_lens, cu)
         total = int(cu[-1])
         padded = -(-total // world_size) * world_size
         num_padding = padded - total
@@ -133,10 +169,12 @@ class ShardedSequence:
             world_size=world_size,
             group=group,
             num_padding=num_padding,
+            prompt_lens=prompts,
         )
 
     @classmethod
-    def from_group(cls, cu_seq_lens: torch.Tensor | Sequence[int], group: Any = None) -> "ShardedSequence":
+    def from_group(cls, cu_seq_lens: torch.Tensor | Sequence[int], group: Any = None,
+                   prompt_lens: Sequence[int] | None = None) -> "ShardedSequence":  # fmt: skip
         """Like :meth:`split`, with rank and world size read from ``group``.
 
         Without an initialized default process group this is world size 1, rank 0.
@@ -150,7 +188,7 @@ class ShardedSequence:
             raise ValueError("group: a process group was given but torch.distributed is not initialized")
         else:
             world_size, rank = 1, 0
-        return cls.split(cu_seq_lens, world_size=world_size, rank=rank, group=group)
+        return cls.split(cu_seq_lens, world_size=world_size, rank=rank, group=group, prompt_lens=prompt_lens)
 
     # ----------------------------------------------------------------- derived
     @property
@@ -172,9 +210,15 @@ class ShardedSequence:
     def shard_end(self) -> int:
         return self.shard_start + self.shard_size
 
+    @property
+    def has_prompts(self) -> bool:
+        """Whether some pool is compressed in the extend order (a prompt of >= 1 pool)."""
+        return self.prompt_lens is not None and any(p > 0 for p in self.prompt_lens)
+
     def __repr__(self) -> str:  # tensors make the default repr noisy
+        prompts = "" if self.prompt_lens is None else f", prompt_lens={list(self.prompt_lens)}"
         return (
             f"ShardedSequence(num_docs={self.cu_seq_lens.numel() - 1}, total={self.total_length}, "
             f"num_padding={self.num_padding}, rank={self.rank}/{self.world_size}, "
-            f"shard=[{self.shard_start}, {self.shard_end}))"
+            f"shard=[{self.shard_start}, {self.shard_end}){prompts})"
         )

@@ -123,12 +123,14 @@ class Pools:
 
 @dataclass(frozen=True)
 class PoolInputs:
-    """What pooling reads: key and gate rows ``k``, ``gates`` ``[S', D]`` and the row of each
-    pool's slot 0, ``pool_tok_start [P]`` int64, on the rows' device."""
+    """What pooling reads: key and gate rows ``k``, ``gates`` ``[S', D]``, the row of each
+    pool's slot 0, ``pool_tok_start [P]`` int64, and ``extend [P]`` bool, the pools that the
+    serving arithmetics compress in the extend order (``None``: none), on the rows' device."""
 
     k: torch.Tensor
     gates: torch.Tensor
     pool_tok_start: torch.Tensor
+    extend: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -238,10 +240,11 @@ class Backend:
         equal bit for bit to what the step alone gives."""
         raise NotImplementedError
 
-    def pools(self, problem: Problem, pool_tok_start: torch.Tensor) -> Pools:
+    def pools(self, problem: Problem, pool_tok_start: torch.Tensor, extend: torch.Tensor | None = None) -> Pools:
         """The pools of ``problem.k`` / ``problem.gates`` whose slot 0 is at rows
-        ``pool_tok_start [P]`` (``int64`` on the device): :meth:`prepare` without queries."""
-        return self.prepare(problem, PoolInputs(problem.k, problem.gates, pool_tok_start), None)[0]
+        ``pool_tok_start [P]`` (``int64`` on the device; ``extend``: see
+        :class:`PoolInputs`): :meth:`prepare` without queries."""
+        return self.prepare(problem, PoolInputs(problem.k, problem.gates, pool_tok_start, extend), None)[0]
 
     def score(self, problem: Problem, pools: Pools, q: Any, w: Any, lo: int, hi: int, starts: torch.Tensor,
               ends: torch.Tensor) -> ChunkScores:  # fmt: skip

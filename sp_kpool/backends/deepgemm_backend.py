@@ -130,12 +130,13 @@ class DeepGemmBackend(Backend):
         if pools is not None and queries is not None:
             (k8, k_scale), (q8, wq) = ts.prepare_fp8(
                 queries.q, queries.w, pools.k, pools.gates, problem.ape, pools.pool_tok_start,
-                before=queries.before, after=queries.after,
+                before=queries.before, after=queries.after, extend=pools.extend,
             )  # fmt: skip
             return Pools(k8, k_scale), Queries(q8, wq, queries.row - queries.before)
         pooled = prepared = None
         if pools is not None:
-            pooled = Pools(*ts.pools_serving(pools.k, pools.gates, problem.ape, pools.pool_tok_start, fp8=True))
+            pooled = Pools(*ts.pools_serving(pools.k, pools.gates, problem.ape, pools.pool_tok_start, fp8=True,
+                                             extend=pools.extend))  # fmt: skip
         if queries is not None:
             q8, wq = ts.queries_fp8(queries.q, queries.w, before=queries.before, after=queries.after)
             prepared = Queries(q8, wq, queries.row - queries.before)

@@ -1,7 +1,7 @@
 """``backend="tilelang"``: BF16 modes on Hopper GPUs.
 
 Pools on the GPU (``bf16``: the model arithmetic in torch ops; ``bf16-serving``: the
-Triton decode-compression kernel, bitwise equal to the torch one, or the torch one when
+Triton serving-compression kernel, bitwise equal to the torch one, or the torch one when
 Triton is missing), scores with the TileLang kernel of :mod:`sp_kpool.kernels.tilelang_score`
 (``-inf`` outside each row's causal range; the fill of the rest of the chunk is skipped
 when the Triton selector, which reads only each row's range, selects), selection by
@@ -57,14 +57,14 @@ class TileLangBackend(Backend):
         pooled = None
         if pools is not None:
             args = (pools.k, pools.gates, problem.ape, pools.pool_tok_start)
-            if problem.precision == "bf16":
+            if problem.precision == "bf16":  # the model definition: one order, no schedule
                 pooled = Pools(compress_pools_bf16(*args))
             elif probe("triton")[0] is not None:
                 from ..kernels.triton_serving import pools_serving
 
-                pooled = Pools(pools_serving(*args, fp8=False))
+                pooled = Pools(pools_serving(*args, fp8=False, extend=pools.extend))
             else:
-                pooled = Pools(serving.prepare_pools_bf16_serving(*args))
+                pooled = Pools(serving.prepare_pools_bf16_serving(*args, pools.extend))
         return pooled, None if queries is None else Queries(queries.q, queries.w, queries.row)
 
     def score_bytes_per_cell(self, problem: Problem) -> int:

@@ -2,7 +2,8 @@
 
 * ``bf16`` pools as ``Glm5NextTextIndexer.get_pooled_states`` (FP32 slot softmax,
   probabilities cast to the key dtype, weighted sum in the key dtype);
-  ``bf16-serving`` pools with serving's decode-mode compression stored BF16
+  ``bf16-serving`` pools with serving's compression (decode order, or extend order for
+  the prompt's pools, ``seq.prompt_lens``) stored BF16
   (:func:`sp_kpool.serving.prepare_pools_bf16_serving`). Both score as the model's
   ``forward``: queries and pooled keys in FP32, ``ReLU(D^-0.5 * q.k)`` per head, then the
   FP32 head-weighted sum with ``H^-0.5``.
@@ -42,12 +43,12 @@ class TorchBackend(Backend):
         with torch.autocast(problem.device.type, enabled=False):
             if pools is not None:
                 args = (pools.k, pools.gates, problem.ape, pools.pool_tok_start)
-                if problem.precision == "bf16":
+                if problem.precision == "bf16":  # the model definition: one order, no schedule
                     pooled = Pools(compress_pools_bf16(*args))
                 elif problem.precision == "bf16-serving":
-                    pooled = Pools(serving.prepare_pools_bf16_serving(*args))
+                    pooled = Pools(serving.prepare_pools_bf16_serving(*args, pools.extend))
                 else:
-                    pooled = Pools(*serving.prepare_pools_fp8(*args))
+                    pooled = Pools(*serving.prepare_pools_fp8(*args, pools.extend))
             if queries is not None:
                 prepared = Queries(queries.q, queries.w, queries.row)
         return pooled, prepared

@@ -1,6 +1,7 @@
 """Triton kernels of the serving arithmetic (contract §6), bitwise equal to :mod:`sp_kpool.serving`.
 
-* :func:`pools_serving`: decode-mode compression (two passes, FP32, slots in order), then
+* :func:`pools_serving`: serving's compression (FP32, slots in order: the decode order's two
+  passes, or per pool the extend order's online recurrence where ``extend`` says so), then
   either BF16 storage (``bf16-serving``) or BF16 round -> Hadamard -> BF16 round -> E4M3
   with a UE8M0 scale per pool (``fp8``), in one kernel.
 * :func:`queries_fp8`: Hadamard -> BF16 round -> E4M3 with a scale per (row, head).
@@ -70,15 +71,18 @@ def _kernels():
         tl.store(scale_ptr + rows, scale, mask=rmask)
 
     @triton.jit
-    def pool_kernel(k_ptr, g_ptr, ape_ptr, start_ptr, out_ptr, scale_ptr, P, stride_k, stride_g, INV_SQRT_D,
-                    K: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
-        pool_program(tl.program_id(0), k_ptr, g_ptr, ape_ptr, start_ptr, out_ptr, scale_ptr, P, stride_k, stride_g,
-                     INV_SQRT_D, K, D, LOG2D, BLOCK, FP8)  # fmt: skip
+    def pool_kernel(k_ptr, g_ptr, ape_ptr, start_ptr, ext_ptr, out_ptr, scale_ptr, P, stride_k, stride_g, INV_SQRT_D,
+                    K: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
+                    EXT: tl.constexpr):
+        pool_program(tl.program_id(0), k_ptr, g_ptr, ape_ptr, start_ptr, ext_ptr, out_ptr, scale_ptr, P, stride_k,
+                     stride_g, INV_SQRT_D, K, D, LOG2D, BLOCK, FP8, EXT)  # fmt: skip
 
     @triton.jit
-    def pool_program(pid, k_ptr, g_ptr, ape_ptr, start_ptr, out_ptr, scale_ptr, P, stride_k, stride_g, INV_SQRT_D,
-                     K: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
-        # pools pid * BLOCK .. pid * BLOCK + BLOCK - 1
+    def pool_program(pid, k_ptr, g_ptr, ape_ptr, start_ptr, ext_ptr, out_ptr, scale_ptr, P, stride_k, stride_g,
+                     INV_SQRT_D, K: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, BLOCK: tl.constexpr,
+                     FP8: tl.constexpr, EXT: tl.constexpr):
+        # pools pid * BLOCK .. pid * BLOCK + BLOCK - 1; with EXT, ext_ptr [P] (uint8) marks the
+        # pools compressed in extend order (the online recurrence, computed alongside)
         rows = pid * BLOCK + tl.arange(0, BLOCK)
         rmask = rows < P
         cols = tl.arange(0, D)
@@ -90,6 +94,10 @@ def _kernels():
             m = tl.maximum(m, add_rn(g.to(tl.float32), a.to(tl.float32)[None, :]))
         den = tl.zeros((BLOCK, D), tl.float32)
         num = tl.zeros((BLOCK, D), tl.float32)
+        if EXT:  # the extend order: m' = max(m, s), r = exp(m - m'), p = exp(s - m'), ...
+            em = tl.full((BLOCK, D), float("-inf"), tl.float32)
+            eden = tl.zeros((BLOCK, D), tl.float32)
+            eacc = tl.zeros((BLOCK, D), tl.float32)
         for j in tl.static_range(K):
             g = tl.load(g_ptr + (base + j)[:, None] * stride_g + cols[None, :], mask=rmask[:, None], other=0.0)
             a = tl.load(ape_ptr + j * D + cols)
@@ -98,7 +106,17 @@ def _kernels():
             den = add_rn(den, e)
             kv = tl.load(k_ptr + (base + j)[:, None] * stride_k + cols[None, :], mask=rmask[:, None], other=0.0)
             num = add_rn(num, mul_rn(kv.to(tl.float32), e))
+            if EXT:
+                m2 = tl.maximum(em, s)
+                r = libdevice.exp(add_rn(em, -m2))
+                p = libdevice.exp(add_rn(s, -m2))
+                eden = add_rn(mul_rn(eden, r), p)
+                eacc = add_rn(mul_rn(eacc, r), mul_rn(kv.to(tl.float32), p))
+                em = m2
         pooled = tl.math.div_rn(num, den)
+        if EXT:
+            ext = tl.load(ext_ptr + rows, mask=rmask, other=0)
+            pooled = tl.where((ext != 0)[:, None], tl.math.div_rn(eacc, eden), pooled)
         if FP8:
             x = pooled.to(tl.bfloat16).to(tl.float32)
             x = hadamard(x, BLOCK, D, LOG2D, INV_SQRT_D)
@@ -259,8 +277,8 @@ def _kernels():
 
     @triton.jit
     def prepare_fp8_kernel(q_ptr, q8_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H, NQP,
-                           k_ptr, g_ptr, ape_ptr, start_ptr, k8_ptr, kscale_ptr, P, stride_k, stride_g,
-                           K: tl.constexpr, QBLOCK: tl.constexpr, PBLOCK: tl.constexpr):
+                           k_ptr, g_ptr, ape_ptr, start_ptr, ext_ptr, k8_ptr, kscale_ptr, P, stride_k, stride_g,
+                           K: tl.constexpr, QBLOCK: tl.constexpr, PBLOCK: tl.constexpr, EXT: tl.constexpr):
         # one launch for both preparations of the FP8 scoring (D = 128): programs [0, NQP)
         # run query_kernel_128's program, the others pool_kernel's (FP8); the same code, so
         # the same bits as the two launches
@@ -268,8 +286,8 @@ def _kernels():
         if pid < NQP:
             query_program_128(pid, q_ptr, q8_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H, QBLOCK)
         else:
-            pool_program(pid - NQP, k_ptr, g_ptr, ape_ptr, start_ptr, k8_ptr, kscale_ptr, P, stride_k, stride_g,
-                         INV_SQRT_D, K, 128, 7, PBLOCK, True)  # fmt: skip
+            pool_program(pid - NQP, k_ptr, g_ptr, ape_ptr, start_ptr, ext_ptr, k8_ptr, kscale_ptr, P, stride_k,
+                         stride_g, INV_SQRT_D, K, 128, 7, PBLOCK, True, EXT)  # fmt: skip
 
     @triton.jit
     def query_program_128(pid, q_ptr, out_ptr, w_ptr, wout_ptr, NR, PAD0, NV, INV_SQRT_D, INV_SQRT_H,
@@ -308,11 +326,23 @@ def _inv_sqrt_fp32(n: int) -> float:
     return float(torch.tensor(float(n) ** -0.5, dtype=torch.float32))
 
 
-def pools_serving(k, gates, ape, pool_tok_start, fp8: bool, block: int = 16):
+def _extend_arg(extend, pool_tok_start):
+    """``(pointer tensor, EXT)`` of the kernels: ``extend [P]`` bool as uint8, or (no
+    schedule) ``pool_tok_start`` standing in for a pointer the kernel never reads."""
+    if extend is None:
+        return pool_tok_start, False
+    if extend.dtype != torch.bool or extend.shape != pool_tok_start.shape or extend.device != pool_tok_start.device:
+        raise ValueError(f"extend: expected a bool tensor of shape {tuple(pool_tok_start.shape)} on "
+                         f"{pool_tok_start.device}, got {extend.dtype} {tuple(extend.shape)} on {extend.device}")  # fmt: skip
+    return extend.contiguous().view(torch.uint8), True
+
+
+def pools_serving(k, gates, ape, pool_tok_start, fp8: bool, block: int = 16, extend=None):
     """Serving pools of the complete pools ``pool_tok_start [P]`` (int64, CUDA).
 
-    ``k``, ``gates``: ``[S, D]`` (any float dtype, row-contiguous); ``ape``: ``[K, D]``.
-    Returns ``(k8 [P, D] float8_e4m3fn, k_scale [P] float32)`` when ``fp8``, else
+    ``k``, ``gates``: ``[S, D]`` (any float dtype, row-contiguous); ``ape``: ``[K, D]``;
+    ``extend``: ``[P]`` bool, the pools compressed in extend order (``None``: all in decode
+    order). Returns ``(k8 [P, D] float8_e4m3fn, k_scale [P] float32)`` when ``fp8``, else
     ``[P, D]`` bfloat16. Equal bit for bit to ``serving.prepare_pools_fp8`` /
     ``serving.prepare_pools_bf16_serving`` on the same device.
     """
@@ -327,9 +357,10 @@ def pools_serving(k, gates, ape, pool_tok_start, fp8: bool, block: int = 16):
         k = k if k.stride(1) == 1 else k.contiguous()
         gates = gates if gates.stride(1) == 1 else gates.contiguous()
         grid = (triton.cdiv(P, block),)
+        ext, has_ext = _extend_arg(extend, pool_tok_start)
         pool_kernel[grid](
-            k, gates, ape.contiguous(), pool_tok_start.contiguous(), out, scale, P, k.stride(0), gates.stride(0),
-            _inv_sqrt_fp32(D), K=K, D=D, LOG2D=D.bit_length() - 1, BLOCK=block, FP8=fp8,
+            k, gates, ape.contiguous(), pool_tok_start.contiguous(), ext, out, scale, P, k.stride(0), gates.stride(0),
+            _inv_sqrt_fp32(D), K=K, D=D, LOG2D=D.bit_length() - 1, BLOCK=block, FP8=fp8, EXT=has_ext,
         )  # fmt: skip
     return (out, scale) if fp8 else out
 
@@ -386,9 +417,10 @@ def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None =
 
 
 def prepare_fp8(q: torch.Tensor, head_weights: torch.Tensor, k, gates, ape, pool_tok_start: torch.Tensor,
-                before: int = 0, after: int = 0):  # fmt: skip
+                before: int = 0, after: int = 0, extend=None):  # fmt: skip
     """``((k8, k_scale), (q8, w))``: :func:`pools_serving` ``(k, gates, ape, pool_tok_start,
-    fp8=True)`` and :func:`queries_fp8` ``(q, head_weights, before=, after=)``, equal to them
+    fp8=True, extend=extend)`` and :func:`queries_fp8` ``(q, head_weights, before=,
+    after=)``, equal to them
     bit for bit, in **one** kernel launch where ``D = 128`` (the same kernel code; each
     launch costs host time before the first scoring call). Other shapes (or nothing to
     pool, or no query rows) call the two functions.
@@ -405,7 +437,8 @@ def prepare_fp8(q: torch.Tensor, head_weights: torch.Tensor, k, gates, ape, pool
     P, K = pool_tok_start.numel(), ape.shape[0]
     n = before + S + after
     if D != 128 or k.shape[1] != 128 or P == 0 or n * H == 0:
-        return pools_serving(k, gates, ape, pool_tok_start, fp8=True), queries_fp8(q, head_weights, before=before, after=after)
+        return (pools_serving(k, gates, ape, pool_tok_start, fp8=True, extend=extend),
+                queries_fp8(q, head_weights, before=before, after=after))  # fmt: skip
     kernel = _kernels()[3]
     dev = q.device
     q8 = torch.empty((n, H, D), dtype=torch.float8_e4m3fn, device=dev)
@@ -416,9 +449,11 @@ def prepare_fp8(q: torch.Tensor, head_weights: torch.Tensor, k, gates, ape, pool
     gates = gates if gates.stride(1) == 1 else gates.contiguous()
     qblock, pblock = 128, 16  # the defaults of queries_fp8 and pools_serving
     nqp = triton.cdiv(n * H, qblock)
+    ext, has_ext = _extend_arg(extend, pool_tok_start)
     kernel[(nqp + triton.cdiv(P, pblock),)](
         q.reshape(S * H, D).contiguous(), q8, head_weights.contiguous(), w, n * H, before * H, S * H, _inv_sqrt_fp32(D),
-        _inv_sqrt_fp32(H), nqp, k, gates, ape.contiguous(), pool_tok_start.contiguous(), k8, k_scale, P, k.stride(0),
-        gates.stride(0), K=K, QBLOCK=qblock, PBLOCK=pblock, num_warps=qblock // 32, maxnreg=_QUERY_MAXNREG,
+        _inv_sqrt_fp32(H), nqp, k, gates, ape.contiguous(), pool_tok_start.contiguous(), ext, k8, k_scale, P,
+        k.stride(0), gates.stride(0), K=K, QBLOCK=qblock, PBLOCK=pblock, EXT=has_ext, num_warps=qblock // 32,
+        maxnreg=_QUERY_MAXNREG,
     )  # fmt: skip
     return (k8, k_scale), (q8, w)

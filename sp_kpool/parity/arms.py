@@ -9,6 +9,7 @@ state, then the operator's real pipeline after the gather (pools, ids, the plan)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,19 +20,25 @@ from ..capture import Capture
 from ..pipeline import run_gathered
 from ..precision import PRECISIONS
 
-__all__ = ["Arm", "gathered_inputs"]
+__all__ = ["Arm", "gathered_inputs", "schedule_of"]
 
 
 @dataclass(frozen=True)
 class Arm:
-    """``precision[:backend]``; ``backend`` defaults to ``auto``."""
+    """``precision[:backend][+decode]``; ``backend`` defaults to ``auto``. ``+decode``
+    (``all_decode``): every pool in the decode order, ignoring the captured prompt lengths
+    (the comparison ``fp8`` vs ``fp8+decode`` shows what the compression schedule changes)."""
 
     precision: str
     backend: str = "auto"
+    all_decode: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Arm":
-        precision, _, backend = str(text).partition(":")
+        body, plus, suffix = str(text).partition("+")
+        if plus and suffix != "decode":
+            raise ValueError(f"arm {text!r}: expected the suffix '+decode' or none, got '+{suffix}'")
+        precision, _, backend = body.partition(":")
         if precision not in PRECISIONS:
             raise ValueError(
                 f"arm: expected precision[:backend] with precision in {list(PRECISIONS)}, got {text!r}"
@@ -39,10 +46,10 @@ class Arm:
         backend = backend or "auto"
         if backend not in backend_names():
             raise ValueError(f"arm {text!r}: backend expected one of {backend_names()}, got {backend!r}")
-        return cls(precision, backend)
+        return cls(precision, backend, bool(plus))
 
     def __str__(self) -> str:
-        return f"{self.precision}:{self.backend}"
+        return f"{self.precision}:{self.backend}" + ("+decode" if self.all_decode else "")
 
 
 # --------------------------------------------------------------------------- arms
@@ -107,9 +114,25 @@ def _run_arm(captures, target, indexer, arm: Arm, device, say) -> _ArmRun:
     inputs = gathered_inputs(captures, target, indexer, arm.precision, device)
     config = target.config().replace(precision=arm.precision)
     options = target.options().replace(backend=arm.backend)
+    seq = target.seq()
+    if arm.all_decode:
+        seq = dataclasses.replace(seq, prompt_lens=None)
     say(f"arm {arm}: pooling and selecting")
-    computed = run_gathered(inputs, target.seq(), config, options, indexer.settings)
-    return _ArmRun(arm, inputs, target.seq(), config, options, indexer.settings, computed)
+    computed = run_gathered(inputs, seq, config, options, indexer.settings)
+    return _ArmRun(arm, inputs, seq, config, options, indexer.settings, computed)
+
+
+def schedule_of(run: _ArmRun, capture: Capture) -> str:
+    """How the arm's pools were compressed, in words (for the report)."""
+    if run.arm.precision == "bf16":
+        return "model definition (one order)"
+    if capture.prompt_lens is None:
+        return "all decode order (the capture has no prompt lengths: a call without them, or an older capture)"
+    if run.arm.all_decode:
+        return "all decode order (+decode: the captured prompt lengths ignored)"
+    ext = run.computed.plan.extend
+    n = int(ext.sum()) if ext is not None else 0
+    return f"prompt pools in extend order ({n} of {run.computed.plan.num_pools} pools), the rest decode"
 
 
 def _device(device) -> torch.device:

@@ -46,7 +46,7 @@ from ..pooling import pool_table
 from ..scoring import chunk_calls, score_chunk
 from ..selection import row_meta
 from ..serving import hadamard
-from .arms import Arm, _ArmRun, _device, _run_arm
+from .arms import Arm, _ArmRun, _device, _run_arm, schedule_of
 
 __all__ = ["replay", "selected_pool_sets", "stderr_progress", "HIST_EDGES"]
 
@@ -72,6 +72,18 @@ def _bitwise_equal(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _pools_differing(a: Pools | None, b: Pools | None) -> int | None:
+    """Pools whose stored bits (values, scales) differ, when both arms store them alike."""
+    if a is None or b is None or len(a) != len(b) or (a.scales is None) != (b.scales is None):
+        return None
+    if a.keys.dtype != b.keys.dtype:
+        return None
+    diff = (_bits(a.keys) != _bits(b.keys)).any(-1)
+    if a.scales is not None:
+        diff |= _bits(a.scales) != _bits(b.scales)
+    return int(diff.sum())
 
 
 def _pools_fp32(pooled) -> torch.Tensor | None:
@@ -346,8 +358,10 @@ def replay(
     for name, arm in (("A", a), ("B", b)):
         t0 = time.perf_counter()
         runs[name] = r = _run_arm(captures, target, indexer, arm, dev, say)
-        info = {"arm": str(arm), "precision": arm.precision, "backend": r.backend.name}
-        captured_arm = arm.precision == m["precision"] and r.backend.name == m["backend_resolved"]
+        info = {"arm": str(arm), "precision": arm.precision, "backend": r.backend.name,
+                "schedule": schedule_of(r, target)}  # fmt: skip
+        captured_arm = (arm.precision == m["precision"] and r.backend.name == m["backend_resolved"]
+                        and not (arm.all_decode and target.prompt_lens is not None))  # fmt: skip
         info["reproduces_captured_ids"] = bool(torch.equal(r.ids.cpu(), target.ids)) if captured_arm else None
         if repeat:
             say(f"arm {arm}: repeating pools and ids")
@@ -371,6 +385,7 @@ def replay(
         "head_weights": _diff_stats(ra.problem.head_weights[:n], rb.problem.head_weights[:n]),
         "queries_bitwise_equal": _bitwise_equal(ra.problem.q[:n], rb.problem.q[:n]),
         "pools_bitwise_equal": _bitwise_equal(ra.pooled, rb.pooled),
+        "pools_differing": _pools_differing(ra.pooled, rb.pooled),
         "ids_bitwise_equal": _bitwise_equal(ra.ids, rb.ids),
         **_pool_diffs(ra.pooled, rb.pooled),
     }
@@ -403,6 +418,7 @@ def replay(
             "tail": m["tail"],
             "order": m["order"],
             "precision": m["precision"],
+            "prompt_lens": target.prompt_lens.tolist() if target.prompt_lens is not None else None,
             "backend": m["backend_resolved"],
             "device": m["device"],
             "autocast": m["autocast"],

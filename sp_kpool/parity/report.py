@@ -38,6 +38,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"captured: {c['precision']} on backend {c['backend']} ({c['source']}, {c['device']}, autocast {c['autocast']}); "
         f"replayed on {report['replay']['device']} ({report['replay']['device_name']})",
         f"A = {A['arm']} -> backend {A['backend']};  B = {B['arm']} -> backend {B['backend']}",
+        f"pools of A: {A.get('schedule', '?')}",
+        f"pools of B: {B.get('schedule', '?')}",
         "",
     ]
     rows: list[tuple[str, str, str]] = [
@@ -71,6 +73,8 @@ def format_table(report: dict[str, Any]) -> str:
     if fp8_arm:
         stat("pools, rotated space (as fp8 stores them)", d["pools_rotated_space"])
     rows.append(("pools bitwise equal (as stored)", _g(d["pools_bitwise_equal"]), ""))
+    if d.get("pools_differing") is not None:
+        rows.append(("pools whose stored bits differ", f"{_g(d['pools_differing'])} / {_g(c['num_pools'])}", ""))
     s = d["scores"]
     rows.append(("scores on valid slots: rel L2 ||A-B||/||B||", _g(s["rel_l2"]), ""))
     rows.append(("scores on valid slots: max |A-B|", _g(s["max_abs"]), ""))

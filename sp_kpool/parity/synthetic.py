@@ -33,6 +33,7 @@ def make_synthetic_capture(
     device: torch.device | str | None = None,
     seed: int = 0,
     tag: str = "synthetic",
+    prompt_lens: list[int] | float | None = None,
 ) -> list[Path]:
     """Random, real-shaped capture files (one per rank), as a live call would write them.
 
@@ -42,7 +43,9 @@ def make_synthetic_capture(
     World size 1 runs the real ``KPoolIndexer.forward`` with its capture hook. More ranks
     simulate the live ranks in this process: each rank's rows are prepared on their own,
     keys and gates are concatenated (what the all-gather returns), and each rank's ids come
-    from the operator's real pipeline. Returns the paths, by rank.
+    from the operator's real pipeline. ``prompt_lens``: the documents' prompt lengths (one
+    per document; see ``ShardedSequence.prompt_lens``), recorded in the capture, or a float
+    in ``[0, 1]``: that fraction of every document. Returns the paths, by rank.
     """
     from .. import capture as cap_mod
     from .. import pipeline
@@ -71,7 +74,9 @@ def make_synthetic_capture(
         else:
             v = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
         p.copy_(v.to(dtype))
-    seqs = [ShardedSequence.split(cu, world_size=world_size, rank=r) for r in range(world_size)]
+    if isinstance(prompt_lens, float):
+        prompt_lens = [int(prompt_lens * n) for n in lengths]
+    seqs = [ShardedSequence.split(cu, world_size=world_size, rank=r, prompt_lens=prompt_lens) for r in range(world_size)]
     S = seqs[0].total_length
     hidden = torch.zeros(S, hidden_size, dtype=dtype)
     q_resid = torch.zeros(S, q_lora_rank, dtype=dtype)

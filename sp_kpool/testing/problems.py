@@ -100,7 +100,7 @@ def simulate_ranks(x: GlobalInputs, world_size: int, *, topk: int, kpool: int, b
 
 
 def reference_slice_problem(heads: int, precision: str = "bf16", *, total: int = 131072, seed: int = 0,
-                            max_logits_bytes: int | None = None, device="cuda"):  # fmt: skip
+                            max_logits_bytes: int | None = None, device="cuda", prompt_fraction: float = 0.0):  # fmt: skip
     """The benchmarks' reference workload on CUDA: rank 3 of a 4-rank split of one
     ``total``-token document, D 128, topk 2048, kpool 4, the library's logits budget for
     ``device`` unless ``max_logits_bytes`` is given."""
@@ -108,18 +108,20 @@ def reference_slice_problem(heads: int, precision: str = "bf16", *, total: int =
 
     budget = max_logits_bytes or current_settings().logits_budget(torch.device(device))
     return rank_slice_problem(total, 4, 3, heads=heads, head_dim=128, topk=2048, precision=precision,
-                              max_logits_bytes=budget, seed=seed, device=device)  # fmt: skip
+                              max_logits_bytes=budget, seed=seed, device=device,
+                              prompt_fraction=prompt_fraction)  # fmt: skip
 
 
 def rank_slice_problem(
     total: int, world_size: int, rank: int, *, heads: int, head_dim: int, kpool: int = 4, topk: int = 2048,
     device="cuda", precision: str = "bf16", seed: int = 0, exact: bool = False, lengths: list[int] | None = None,
-    max_logits_bytes: int = 1 << 30, tail: str = "fixed", order: str = "ascending",
+    max_logits_bytes: int = 1 << 30, tail: str = "fixed", order: str = "ascending", prompt_fraction: float = 0.0,
 ):  # fmt: skip
     """The ``Problem`` that rank ``rank`` of a ``world_size`` split sees after the gather,
     built directly on ``device`` (BF16 inputs): keys and gates of the whole sequence,
     queries and head weights of this rank's rows only. ``lengths`` (default one document
-    of ``total`` tokens) describe the packed documents.
+    of ``total`` tokens) describe the packed documents; ``prompt_fraction``: that fraction of
+    every document is its prompt (the serving compression schedule, ``prompt_lens``).
 
     ``exact=True`` makes every score exactly representable in FP32 (small integer keys and
     queries, dyadic head weights, gates that make each pool's slot softmax exactly one-hot
@@ -133,7 +135,8 @@ def rank_slice_problem(
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
-    seq = ShardedSequence.split(cu, world_size=world_size, rank=rank)
+    prompts = [int(prompt_fraction * n) for n in lengths] if prompt_fraction else None
+    seq = ShardedSequence.split(cu, world_size=world_size, rank=rank, prompt_lens=prompts)
     g = torch.Generator(device=device).manual_seed(seed)
     S, R, H, D = seq.total_length, seq.shard_size, heads, head_dim
     bf = torch.bfloat16

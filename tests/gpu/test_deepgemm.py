@@ -97,21 +97,26 @@ def test_budget_short_unaligned_chunks(layout, rows, budget):
         pytest.fail(f"rows={C} budget={budget} predicted={logits_bytes(C, n, 32, layout, a)}: {exc}")
 
 
-def _indexer(cache, H, total, lengths):
-    key = (H, total)
+def _indexer(cache, H, total, lengths, prompt_fraction=0.0):
+    key = (H, total, prompt_fraction)
     if key not in cache:
-        p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=2048, lengths=lengths, precision="fp8", seed=H)
+        p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=2048, lengths=lengths, precision="fp8", seed=H,
+                               prompt_fraction=prompt_fraction)  # fmt: skip
         cache[key] = p, ids_of("deepgemm", p)
     return cache[key]
 
 
+@pytest.mark.parametrize("prompt_fraction", [0.0, 0.9])  # 0.9: the serving schedule, most pools in extend order
 @pytest.mark.parametrize("total,lengths", INDEXER_CASES)
 @pytest.mark.parametrize("H", (32, 64))
-def test_fp8_indexer_vs_torch_fp8(cache, H, total, lengths):
-    p, x = _indexer(cache, H, total, lengths)
+def test_fp8_indexer_vs_torch_fp8(cache, H, total, lengths, prompt_fraction):
+    from sp_kpool.pooling import extend_pools
+
+    p, x = _indexer(cache, H, total, lengths, prompt_fraction)
     y = ids_of("torch", p)
     st = pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda()
-    k8, ks = BACKENDS["torch"].pools(p, st).parts()
+    ext = extend_pools(p.seq.real_cu_seq_lens, p.seq.prompt_lens, 4).cuda() if p.seq.prompt_lens else None
+    k8, ks = BACKENDS["torch"].pools(p, st, ext).parts()
     q8, wq = serving.prepare_queries_fp8(p.q, p.head_weights)
     # DeepGEMM's FP8 tensor-core accumulation differs from an FP32 one by ~1e-4 relative
     ndiff, bad = near_tie_rows(p, x, y, fp8_row_scores(q8, wq, k8, ks), rel_tol=1e-3)

@@ -113,3 +113,53 @@ def test_prepare_fp8_one_launch(S, H, D, K, before, after):
             f"differing_query_values={int((_u8(q8) != _u8(p8)).sum())}")  # fmt: skip
     assert torch.equal(_u8(k8), _u8(r8)) and torch.equal(ks, rs), info
     assert torch.equal(_u8(q8), _u8(p8)) and torch.equal(wq, pw), info
+
+
+def _mixed_extend(n, seed):
+    """A mask of pools in extend order: runs of both orders and isolated pools, mixed inside
+    every block of 16 pools."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mask = torch.rand(n, generator=g, device="cuda") < 0.5
+    mask[: n // 3] = True  # a prompt-like prefix
+    return mask
+
+
+@pytest.mark.parametrize("S,D,K", POOL_CASES)
+@pytest.mark.parametrize("fp8", [True, False])
+def test_scheduled_pools(S, D, K, fp8):
+    # the compression order chosen per pool (extend / decode): bitwise equal to torch
+    from sp_kpool.kernels.triton_serving import pools_serving
+
+    _, k, gates, ape, starts = _pool_inputs(S, D, K, S + 7)
+    ext = _mixed_extend(starts.numel(), S)
+    got = pools_serving(k, gates, ape, starts, fp8=fp8, extend=ext)
+    if fp8:
+        r8, rs = serving.prepare_pools_fp8(k, gates, ape, starts, ext)
+        assert torch.equal(_u8(got[0]), _u8(r8)) and torch.equal(got[1], rs), (
+            f"pools={starts.numel()} differing_values={int((_u8(got[0]) != _u8(r8)).sum())}")  # fmt: skip
+    else:
+        rb = serving.prepare_pools_bf16_serving(k, gates, ape, starts, ext)
+        assert torch.equal(got.view(torch.int16), rb.view(torch.int16)), (
+            f"differing={int((got.view(torch.int16) != rb.view(torch.int16)).sum())}")  # fmt: skip
+    # the orders do differ on these inputs (else the check above could not fail)
+    ext_all = serving.compress_pools_extend(k, gates, ape, starts)
+    dec_all = serving.compress_pools_decode(k, gates, ape, starts)
+    assert bool((ext_all != dec_all).any())
+
+
+@pytest.mark.parametrize("S,H,D,K,before,after", ONE_LAUNCH_CASES)
+def test_prepare_fp8_one_launch_scheduled(S, H, D, K, before, after):
+    from sp_kpool.kernels.triton_serving import prepare_fp8
+
+    g, k, gates, ape, starts = _pool_inputs(S, D, K, S + H + 1)
+    q = torch.randn(S, H, D, generator=g, device="cuda").bfloat16()
+    w = torch.randn(S, H, generator=g, device="cuda").float()  # the FP32 head gate
+    ext = _mixed_extend(starts.numel(), S + 1)
+    (k8, ks), (q8, wq) = prepare_fp8(q, w, k, gates, ape, starts, before=before, after=after, extend=ext)
+    r8, rs = serving.prepare_pools_fp8(k, gates, ape, starts, ext)
+    assert torch.equal(_u8(k8), _u8(r8)) and torch.equal(ks, rs), f"differing={int((_u8(k8) != _u8(r8)).sum())}"
+    z = torch.zeros(before + S + after, H, D, dtype=q.dtype, device="cuda")
+    zw = torch.zeros(before + S + after, H, dtype=w.dtype, device="cuda")
+    z[before : before + S], zw[before : before + S] = q, w
+    p8, pw = serving.prepare_queries_fp8(z, zw)
+    assert torch.equal(_u8(q8), _u8(p8)) and torch.equal(wq, pw)

@@ -411,3 +411,40 @@ def test_bad_arms():
         Arm.parse("fp16")
     with pytest.raises(ValueError, match=r"arm 'fp8:cuda': backend expected one of \['auto', 'torch'.*got 'cuda'"):
         Arm.parse("fp8:cuda")
+
+
+def test_capture_records_the_compression_schedule_and_replay_uses_it(tmp_path):
+    # a live fp8 call with prompt lengths: the capture holds them, the replay of the same
+    # arm reproduces the live ids, and "+decode" replays every pool in decode order
+    m = _indexer("fp8", capture_dir=str(tmp_path))
+    hidden, q_resid = _inputs(sum(LENGTHS))
+    prompts = [21, 10, 9]  # mid-pool (5 extend pools of 9), 2 pools + 2 tokens (2 of 5), the whole document (2 of 2)
+    seq = ShardedSequence.split(_cu(LENGTHS), world_size=1, rank=0, prompt_lens=prompts)
+    ids = m(hidden, q_resid, seq)
+    (path,) = tmp_path.glob("*.safetensors")
+    cap = load_capture(path)
+    assert cap.prompt_lens.tolist() == prompts and cap.seq().prompt_lens == tuple(prompts)
+    rep = replay(path, "fp8:torch", "fp8:torch+decode", repeat=False)
+    A, B = rep["arms"]["A"], rep["arms"]["B"]
+    assert A["reproduces_captured_ids"] is True and rep["capture"]["prompt_lens"] == prompts
+    assert "extend order (9 of 16 pools)" in A["schedule"] and B["schedule"].startswith("all decode order (+decode")
+    assert B["reproduces_captured_ids"] is None  # another arm than the live one
+    assert isinstance(rep["diff"]["pools_differing"], int)
+    assert "pools of A: prompt pools in extend order" in format_table(rep)
+    assert torch.equal(ids, m(hidden, q_resid, seq))
+
+
+def test_capture_without_prompt_lens_replays_as_all_decode(captured):
+    path, ids, *_ = captured
+    cap = load_capture(path)
+    assert cap.prompt_lens is None and cap.seq().prompt_lens is None
+    rep = replay(path, "fp8:torch", "bf16:torch", repeat=False)
+    assert rep["arms"]["A"]["schedule"].startswith("all decode order (the capture has no prompt lengths")
+    assert rep["arms"]["B"]["schedule"] == "model definition (one order)"
+    assert rep["arms"]["A"]["reproduces_captured_ids"] is True
+
+
+def test_arm_parse_takes_the_decode_suffix():
+    assert Arm.parse("fp8+decode") == Arm("fp8", "auto", True) and str(Arm.parse("fp8:torch+decode")) == "fp8:torch+decode"
+    with pytest.raises(ValueError, match=r"expected the suffix '\+decode' or none, got '\+extend'"):
+        Arm.parse("fp8+extend")

@@ -132,8 +132,9 @@ def test_serving_preparation_is_fp32_and_ignores_autocast(precision):
     kx = hidden @ m.wk.weight.t()
     want_k = torch.nn.functional.layer_norm(kx.float(), (16,), m.k_norm.weight.float(), m.k_norm.bias.float(), 1e-6)
     assert torch.equal(plain["k"], want_k.bfloat16())
-    want_w = (hidden.float() @ m.weights_proj.weight.float().t()).bfloat16()
-    assert torch.equal(plain["head_weights"], want_w)
+    # the head gate stays FP32 (serving's weights_proj(x.float()), not rounded back)
+    want_w = hidden.float() @ m.weights_proj.weight.float().t()
+    assert plain["head_weights"].dtype == torch.float32 and torch.equal(plain["head_weights"], want_w)
     seq = ShardedSequence.split([0, 40], world_size=1, rank=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(m(hidden, q_resid, seq), m(hidden, q_resid, seq))

@@ -95,3 +95,32 @@ def test_indexer_scale_keywords_change_no_bit():
     seq = ShardedSequence.split([0, 40, 77], world_size=1, rank=0)
     assert torch.equal(plain(hidden, q_resid, seq), scaled(hidden, q_resid, seq))
     assert scaled.options.gather == "pools" and scaled.options.balance == "causal"
+
+
+def test_bf16_checkpoint_loads_exactly_and_the_model_arithmetic_is_unchanged():
+    # serving builds the head gate and the key norm in FP32: we store them so whatever the
+    # module dtype; a BF16 checkpoint (transformers' indexer in BF16) loads with strict=True
+    # and exactly, and the bf16 arithmetic computes with them in the module dtype, as
+    # transformers' own modules do
+    ref = transformers_indexer(hidden_size=HIDDEN, q_lora_rank=QLORA, heads=HEADS, head_dim=HEAD_DIM, topk=16, kpool=4,
+                               seed=3).bfloat16()  # fmt: skip
+    ours = KPoolIndexer(hidden_size=HIDDEN, q_lora_rank=QLORA, index_n_heads=HEADS, index_head_dim=HEAD_DIM,
+                        index_topk=16, index_kpool=4, dtype=torch.bfloat16, precision="bf16")  # fmt: skip
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    for name, p in ours.named_parameters():
+        want = torch.float32 if name in KPoolIndexer.FP32_PARAMETERS else torch.bfloat16
+        assert p.dtype == want, name
+        assert torch.equal(p.float(), ref.state_dict()[name].float()), name
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(30, HIDDEN, generator=g).bfloat16()
+    q_resid = torch.randn(30, QLORA, generator=g).bfloat16()
+    got = ours.prepare(hidden, q_resid)
+    with torch.no_grad():
+        assert torch.equal(got["k"], ref.k_norm(ref.wk(hidden)))
+        assert torch.equal(got["head_weights"], ref.weights_proj(hidden))
+    assert got["head_weights"].dtype == torch.bfloat16
+    # a dtype conversion of the module keeps them FP32 (values and all)
+    before = ours.weights_proj.weight.clone()
+    ours.half()
+    assert ours.weights_proj.weight.dtype == torch.float32 and torch.equal(ours.weights_proj.weight, before)
+    assert ours.wk.weight.dtype == torch.float16 and ours.k_norm.bias.dtype == torch.float32
