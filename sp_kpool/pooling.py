@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_int
+
 __all__ = ["pool_table", "extend_pools", "compress_pools_bf16"]
 
 
@@ -67,7 +69,14 @@ def extend_pools(real_cu_seq_lens: torch.Tensor, prompt_lens, kpool: int) -> tor
         ``[P]`` bool (CPU), in the order of :func:`pool_table`.
     """
     lengths = (real_cu_seq_lens[1:] - real_cu_seq_lens[:-1]).tolist()
-    parts = [torch.arange(n // kpool) < int(p) // kpool for n, p in zip(lengths, prompt_lens)]
+    prompt_lens = list(prompt_lens)
+    if len(prompt_lens) != len(lengths):
+        raise ValueError(f"prompt_lens: expected one length per document ({len(lengths)}), got {len(prompt_lens)}")
+    for d, (p, n) in enumerate(zip(prompt_lens, lengths)):
+        check_int(f"prompt_lens[{d}]", p)
+        if not 0 <= p <= n:
+            raise ValueError(f"prompt_lens[{d}]: expected 0 <= prompt_lens[{d}] <= len = {n}, got {p}")
+    parts = [torch.arange(n // kpool) < p // kpool for n, p in zip(lengths, prompt_lens)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
 
 

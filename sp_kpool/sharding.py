@@ -75,13 +75,9 @@ def _as_prompt_lens(prompt_lens: Any, cu: torch.Tensor) -> tuple[int, ...] | Non
             values = list(prompt_lens)
         except TypeError:
             raise TypeError(f"prompt_lens: expected a list of ints, got {type(prompt_lens).__name__}") from None
-    lengths = (cu[1:] - cu[:-1]).tolist()
-    if len(values) != len(lengths):
-        raise ValueError(f"prompt_lens: expected one length per document ({len(lengths)}), got {len(values)}")
-    for d, (p, n) in enumerate(zip(values, lengths)):
-        check_int(f"prompt_lens[{d}]", p)
-        if not 0 <= p <= n:
-            raise ValueError(f"prompt_lens[{d}]: expected 0 <= prompt_lens[{d}] <= len = {n}, got {p}")
+    from .pooling import extend_pools
+
+    extend_pools(cu, values, 1)  # checks the count and every value (one rule for both)
     return tuple(values)
 
 
