@@ -36,6 +36,13 @@ plus the parameters (about 20 MB in BF16 at the checkpoint's shapes) and the ids
 hidden rows in every file instead would cost ``W`` times the whole sequence's hidden
 states: 1 GiB per file for 131072 BF16 tokens of width 4096.)
 
+Captures written by earlier versions load: without ``prompt_lens`` they replay with every
+pool in decode order (the report says so), and without ``config`` the metadata fields
+above rebuild it. Their serving-arm ids (``bf16-serving``, ``fp8``) were computed with the
+head gate rounded to the parameter dtype; the replay keeps it FP32, as serving does, so
+``reproduces_captured_ids`` can be false for them (as it was for an fp8 capture with a
+BF16 checkpoint written before the change).
+
 Errors reading a capture are :class:`CaptureError` (a ``ValueError``) naming the file and
 what is wrong with it.
 """
