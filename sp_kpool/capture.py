@@ -20,7 +20,8 @@ One file per rank and captured call::
     metadata (str -> str): format ``sp_kpool.capture/1``, rank, world_size, shard_start,
     shard_size, num_padding, topk, kpool, heads, tail, order, alignment, max_logits_bytes
     (resolved), precision, backend (requested) and backend_resolved, device, autocast
-    (``off`` or the dtype), tag, call, source, versions, ``config`` and ``options`` (JSON:
+    (``off`` or the dtype), tag, call, source, versions, ``head_gate`` (``fp32``), ``config``
+    and ``options`` (JSON:
     the resolved :class:`~sp_kpool.config.KPoolConfig` and the
     :class:`~sp_kpool.config.RunOptions`, whole: a replay rebuilds exactly what ran), and
     ``crc32``: a JSON object with the CRC-32 of every tensor's bytes (so a flipped byte is
@@ -39,9 +40,9 @@ states: 1 GiB per file for 131072 BF16 tokens of width 4096.)
 Captures written by earlier versions load: without ``prompt_lens`` they replay with every
 pool in decode order (the report says so), and without ``config`` the metadata fields
 above rebuild it. Their serving-arm ids (``bf16-serving``, ``fp8``) were computed with the
-head gate rounded to the parameter dtype; the replay keeps it FP32, as serving does, so
-``reproduces_captured_ids`` can be false for them (as it was for an fp8 capture with a
-BF16 checkpoint written before the change).
+head gate rounded to the parameter dtype (they have no ``head_gate`` metadata); the
+replay keeps it FP32, as serving does, so their ids need not reproduce, and the parity
+report says why.
 
 Errors reading a capture are :class:`CaptureError` (a ``ValueError``) naming the file and
 what is wrong with it.
@@ -231,6 +232,7 @@ class CaptureHook:
             "tag": self.tag,
             "call": self.done,
             "source": self.source,
+            "head_gate": "fp32",  # the serving modes' head gate: FP32, unrounded (older captures: rounded)
             "config": json.dumps(config.record(), sort_keys=True),  # the resolved KPoolConfig, whole
             "options": json.dumps(options.record(), sort_keys=True),  # the RunOptions, whole
         }
@@ -391,6 +393,8 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
         meta[k] = raw_meta[k]
     for k in ("sp_kpool", "torch"):
         meta[k] = raw_meta.get(k, "?")
+    # captures from before the FP32 head gate rounded it to the parameter dtype
+    meta["head_gate"] = raw_meta.get("head_gate", "rounded to the parameter dtype")
     try:
         options = json.loads(raw_meta.get("options", "{}"))
         if not isinstance(options, dict):

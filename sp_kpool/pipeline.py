@@ -67,6 +67,7 @@ __all__ = ["run", "run_gathered", "solve", "validate_and_agree", "Call", "Comput
 # names of the signature entries when a rank has no valid config (its error is reported first)
 _CONFIG_SIGNATURE = ("topk", "kpool", "tail", "order", "alignment", "max_logits_bytes", "precision")
 _OPTIONS_SIGNATURE = ("gather", "balance", "balance_block", "balance_row_cost")
+_DERIVED_SIGNATURE = ("backend (resolved, crc32)", "scoring chunk rows", "balance partition (crc32)")
 
 
 @dataclasses.dataclass
@@ -165,9 +166,16 @@ def _signature(q, seq, call: Call | None) -> list[tuple[str, int]]:
     ]
     if call is None:
         sig += [(name, -1) for name in _CONFIG_SIGNATURE + _OPTIONS_SIGNATURE]
-        return sig + [("backend (resolved, crc32)", -1)]
+        return sig + [(name, -1) for name in _DERIVED_SIGNATURE]
     sig += call.problem.config.signature() + call.options.signature()
-    return sig + [("backend (resolved, crc32)", zlib.crc32(call.backend.name.encode()))]
+    part = call.partition
+    return sig + [
+        ("backend (resolved, crc32)", zlib.crc32(call.backend.name.encode())),
+        # derived from per-process settings too (e.g. the DeepGEMM column layout): ranks
+        # that resolved them differently would score other chunks or exchange other rows
+        ("scoring chunk rows", call.chunk if call.chunk is not None else -1),
+        ("balance partition (crc32)", zlib.crc32(repr(part.bounds).encode()) if part is not None else -1),
+    ]
 
 
 def validate_and_agree(q, k, gates, head_weights, ape, seq, config: KPoolConfig | None, options: RunOptions | None,

@@ -39,6 +39,7 @@ import torch
 
 from . import _device
 from ._device import to_device
+from ._probe import probe
 from .pooling import extend_pools
 from .selection import RowMeta, row_meta
 
@@ -152,10 +153,10 @@ class ChunkPlan:
     def ranges(self) -> torch.Tensor:
         """``[2, n_chunks * C]`` int32: each row's ``[start, end)`` relative to its chunk's
         pool range, on the chunk grid (rows not in ``[lo_row, hi_row)`` empty). Built on
-        first use (one kernel launch on CUDA with Triton), then kept."""
+        first use (one kernel launch on CUDA with Triton, torch ops elsewhere), then kept."""
         if self._ranges is None:
             args = (self.cu, self.offs, self.bounds, self.lo_row, self.hi_row, self.first, self.rows, self.kpool)
-            if _device.on_gpu(self.bounds.device):
+            if _device.on_gpu(self.bounds.device) and probe("triton")[0] is not None:
                 from .kernels.triton_ranges import chunk_row_ranges
 
                 self._ranges = chunk_row_ranges(*args)

@@ -118,6 +118,8 @@ class ShardedSequence:
     def __post_init__(self):
         from .plan import TableCache
 
+        if self.prompt_lens is not None:  # validated and a tuple however the object was built
+            object.__setattr__(self, "prompt_lens", _as_prompt_lens(self.prompt_lens, self.real_cu_seq_lens))
         object.__setattr__(self, "tables", TableCache())
 
     # ----------------------------------------------------------------- builders
@@ -150,7 +152,6 @@ class ShardedSequence:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         cu = _as_cu_seq_lens(cu_seq_lens)
-        prompts = _as_prompt_lens(prompt_lens, cu)
         total = int(cu[-1])
         padded = -(-total // world_size) * world_size
         num_padding = padded - total
@@ -165,7 +166,7 @@ class ShardedSequence:
             world_size=world_size,
             group=group,
             num_padding=num_padding,
-            prompt_lens=prompts,
+            prompt_lens=prompt_lens,
         )
 
     @classmethod

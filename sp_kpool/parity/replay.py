@@ -419,6 +419,7 @@ def replay(
             "order": m["order"],
             "precision": m["precision"],
             "prompt_lens": target.prompt_lens.tolist() if target.prompt_lens is not None else None,
+            "head_gate": m["head_gate"],
             "backend": m["backend_resolved"],
             "device": m["device"],
             "autocast": m["autocast"],

@@ -38,6 +38,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"captured: {c['precision']} on backend {c['backend']} ({c['source']}, {c['device']}, autocast {c['autocast']}); "
         f"replayed on {report['replay']['device']} ({report['replay']['device_name']})",
         f"A = {A['arm']} -> backend {A['backend']};  B = {B['arm']} -> backend {B['backend']}",
+        *([f"note: the capture's head gate was {c['head_gate']} (written before the FP32 head gate): "
+           "its serving-arm ids need not reproduce"] if c.get("head_gate", "fp32") != "fp32" else []),
         f"pools of A: {A.get('schedule', '?')}",
         f"pools of B: {B.get('schedule', '?')}",
         "",

@@ -102,7 +102,8 @@ def make_synthetic_capture(
             "topk": topk, "kpool": kpool, "heads": heads, "tail": "fixed", "order": "ascending", "alignment": 1,
             "max_logits_bytes": config.max_logits_bytes, "precision": precision, "backend": backend,
             "backend_resolved": chosen.name, "device": str(dev), "autocast": "off", "tag": tag, "call": 0,
-            "source": f"synthetic (simulated {world_size} ranks)", "config": json.dumps(config.record(), sort_keys=True),
+            "source": f"synthetic (simulated {world_size} ranks)", "head_gate": "fp32",
+            "config": json.dumps(config.record(), sort_keys=True),
             "options": json.dumps(mod.options.record(), sort_keys=True),
         }  # fmt: skip
         path = cap_mod.capture_path(directory, tag, 0, s.rank, world_size)

@@ -448,3 +448,24 @@ def test_arm_parse_takes_the_decode_suffix():
     assert Arm.parse("fp8+decode") == Arm("fp8", "auto", True) and str(Arm.parse("fp8:torch+decode")) == "fp8:torch+decode"
     with pytest.raises(ValueError, match=r"expected the suffix '\+decode' or none, got '\+extend'"):
         Arm.parse("fp8+extend")
+
+
+def test_a_capture_without_head_gate_metadata_is_reported_as_rounded(captured, tmp_path):
+    # captures written before the FP32 head gate have no "head_gate" metadata: the report
+    # says their serving-arm ids need not reproduce
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = captured[0]
+    with safe_open(str(path), framework="pt") as fh:
+        meta = dict(fh.metadata())
+        tensors = {n: fh.get_tensor(n) for n in fh.keys()}
+    assert meta.pop("head_gate") == "fp32"
+    old = tmp_path / "old" / path.name
+    old.parent.mkdir()
+    save_file(tensors, str(old), metadata=meta)
+    assert load_capture(old).meta["head_gate"] == "rounded to the parameter dtype"
+    rep = replay(old, "fp8:torch", "fp8:torch", repeat=False)
+    assert rep["capture"]["head_gate"] == "rounded to the parameter dtype"
+    assert "its serving-arm ids need not reproduce" in format_table(rep)
+    assert "need not reproduce" not in format_table(replay(path, "fp8:torch", "fp8:torch", repeat=False))

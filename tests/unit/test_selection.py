@@ -518,3 +518,28 @@ def test_plans_are_cached_on_the_sequence_by_value_and_give_the_same_answer(monk
     assert len(built) == n + 2 and len(seq.tables) == 2
     seq.tables.clear()
     assert len(seq.tables) == 0
+
+
+def test_plan_ranges_take_the_torch_path_on_a_gpu_without_triton(monkeypatch):
+    # a CUDA device without Triton: the row ranges come from torch ops, not the Triton
+    # kernel's module (which imports triton)
+    import sp_kpool._device as device_mod
+    import sp_kpool.plan as plan_mod
+    from sp_kpool.plan import plan_chunks, row_ranges_torch
+
+    seq = ShardedSequence.split([0, 37, 41, 91], world_size=2, rank=1)
+    want = plan_chunks(seq, 4, 8, 46, 91, torch.device("cpu"), cache=False).ranges
+    monkeypatch.setattr(device_mod, "on_gpu", lambda device: True)
+    monkeypatch.setattr(plan_mod, "probe", lambda name: (None, f"{name} not importable"))
+    plan = plan_chunks(seq, 4, 8, 46, 91, torch.device("cpu"), cache=False)
+    assert torch.equal(plan.ranges, want)
+    assert torch.equal(want, row_ranges_torch(plan.cu, plan.offs, plan.bounds, 46, 91, plan.first, 8, 4))
+
+
+def test_prompt_lens_are_checked_however_the_sequence_is_built():
+    seq = ShardedSequence(cu_seq_lens=torch.tensor([0, 5, 9]), shard_start=0, shard_size=9, rank=0, world_size=1,
+                          prompt_lens=[4, 2])  # fmt: skip
+    assert seq.prompt_lens == (4, 2) and seq.has_prompts
+    with pytest.raises(ValueError, match=r"prompt_lens\[1\]: expected 0 <= prompt_lens\[1\] <= len = 4, got 5"):
+        ShardedSequence(cu_seq_lens=torch.tensor([0, 5, 9]), shard_start=0, shard_size=9, rank=0, world_size=1,
+                        prompt_lens=[4, 5])  # fmt: skip
