@@ -244,7 +244,8 @@ def agree_or_raise(
     """Fail on every rank alike if any rank saw bad input or ranks disagree.
 
     Every rank contributes an error flag and a ``signature`` of named integers that must be
-    equal everywhere (shapes, options, a hash of ``cu_seq_lens``). One small all-gather
+    equal everywhere (shapes, options, a hash of ``cu_seq_lens``): ``(name, value)`` or
+    ``(name, code, {code: value})``, whose message shows the values. One small all-gather
     carries them; only when something is wrong a second, object all-gather carries the
     error texts. Every rank then raises the same ``ValueError``, naming the ranks.
     With world size 1 this raises ``local_error`` directly (no communication).
@@ -256,7 +257,7 @@ def agree_or_raise(
     import torch.distributed as dist
 
     dev = comm_device(seq)
-    vec = torch.tensor([1 if local_error else 0] + [int(v) for _, v in signature], dtype=torch.int64, device=dev)
+    vec = torch.tensor([1 if local_error else 0] + [int(e[1]) for e in signature], dtype=torch.int64, device=dev)
     allv = all_gather_rows(vec[None], seq, stats=stats, tag="validate").cpu()  # [world, 1 + n]
     failed = [r for r in range(seq.world_size) if int(allv[r, 0])]
     if failed:
@@ -265,10 +266,11 @@ def agree_or_raise(
         lines = [f"rank {r}: {texts[r]}" for r in failed]
         raise ValueError("invalid input on rank(s) %s:\n  %s" % (failed, "\n  ".join(lines)))
     mismatched = []
-    for i, (name, _) in enumerate(signature, start=1):
+    for i, entry in enumerate(signature, start=1):
         col = allv[:, i].tolist()
         if any(v != col[0] for v in col):
-            mismatched.append(f"{name}: per rank {col}")
+            names = entry[2] if len(entry) > 2 else None  # code -> value, for the message
+            mismatched.append(f"{entry[0]}: per rank {[names.get(v, v) for v in col] if names else col}")
     if mismatched:
         raise ValueError(
             "ranks disagree on values that must be equal on every rank:\n  " + "\n  ".join(mismatched)

@@ -151,11 +151,30 @@ def _call(problem: Problem, options: RunOptions, counter: CommStats | None = Non
     return Call(problem, backend, options, chunk, P, part, counter)
 
 
-def _signature(q, seq, call: Call | None) -> list[tuple[str, int]]:
+#: dtypes and device types as codes of the agreement (-1: not a tensor, -2: another one)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32)
+_DTYPE_NAMES = {-1: "not a tensor", -2: "another dtype", **{i: str(d).replace("torch.", "") for i, d in enumerate(_DTYPES)}}
+_DEVICE_TYPES = ("cpu", "cuda")
+_DEVICE_NAMES = {-1: "not a tensor", -2: "another device type", **dict(enumerate(_DEVICE_TYPES))}
+
+
+def _tensor_signature(tensors: dict) -> list[tuple]:
+    """The dtype and device type of every input tensor: ranks that differ in them would
+    exchange buffers of other sizes (gloo aborts the process, NCCL may hang)."""
+    sig = []
+    for name, t in tensors.items():
+        is_t = isinstance(t, torch.Tensor)
+        dtype = (_DTYPES.index(t.dtype) if t.dtype in _DTYPES else -2) if is_t else -1
+        dev = (_DEVICE_TYPES.index(t.device.type) if t.device.type in _DEVICE_TYPES else -2) if is_t else -1
+        sig += [(f"{name}.dtype", dtype, _DTYPE_NAMES), (f"{name}.device type", dev, _DEVICE_NAMES)]
+    return sig
+
+
+def _signature(q, seq, call: Call | None, tensors: dict) -> list[tuple]:
     """Integers that must agree on every rank (checked by one small all-gather)."""
     cu = seq.cu_seq_lens.numpy().tobytes()
     three = isinstance(q, torch.Tensor) and q.dim() == 3
-    sig = [
+    sig = _tensor_signature(tensors) + [
         ("cu_seq_lens (crc32)", zlib.crc32(cu)),
         ("len(cu_seq_lens)", seq.cu_seq_lens.numel()),
         ("shard_size", seq.shard_size),
@@ -192,7 +211,8 @@ def validate_and_agree(q, k, gates, head_weights, ape, seq, config: KPoolConfig 
         if not isinstance(seq, ShardedSequence) or seq.world_size == 1:
             raise
         error = f"{type(exc).__name__}: {exc}"
-    agree_or_raise(seq, error, _signature(q, seq, call), stats=call.counter if call is not None else None)
+    tensors = {"q": q, "k": k, "gates": gates, "head_weights": head_weights, "ape": ape}
+    agree_or_raise(seq, error, _signature(q, seq, call, tensors), stats=call.counter if call is not None else None)
     if stats is not None:  # the stages time themselves (device synchronized) into this dict
         call.problem.stage_times = {}
     return call

@@ -31,6 +31,9 @@ def test_gloo_ranks_equal_world_size_one(world_size):
     ("shape", "k: expected shape [8, 16], got [8, 15]"),
     ("topk", "topk: per rank"),
     ("dtype", "gates: expected a floating-point dtype"),
+    # each rank's input is valid, the ranks' dtypes differ: agreed before the gather (which
+    # gloo would abort on, killing the process)
+    ("float dtype", "k.dtype: per rank ['float32', 'float32', 'bfloat16']"),
 ])  # fmt: skip
 def test_bad_input_on_one_rank_fails_on_every_rank_alike(case, text):
     messages = run_ranks(bad_input_on_one_rank, 3, (case,), timeout=120)
