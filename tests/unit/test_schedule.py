@@ -31,7 +31,7 @@ import torch
 from sp_kpool import ShardedSequence, kpool_topk, serving
 from sp_kpool.pooling import extend_pools, pool_table
 from sp_kpool.testing.dist import run_ranks
-from sp_kpool.testing.problems import GlobalInputs, make_inputs, shard_inputs
+from sp_kpool.testing.problems import GlobalInputs, shard_inputs
 
 K = 4
 F32 = np.float32
