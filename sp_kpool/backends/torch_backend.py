@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import serving
+from .. import serving, serving_scores
 from ..pooling import compress_pools_bf16
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
 
@@ -63,7 +63,7 @@ class TorchBackend(Backend):
     def score(self, problem: Problem, pools: Pools, q, w, lo: int, hi: int, starts=None, ends=None) -> ChunkScores:
         if problem.precision == "fp8":
             q8, wq = serving.prepare_queries_fp8(q, w)
-            logits = serving.mqa_logits_fp8_reference(q8, wq, pools.keys[lo:hi], pools.scales[lo:hi],
+            logits = serving_scores.mqa_logits_fp8_reference(q8, wq, pools.keys[lo:hi], pools.scales[lo:hi],
                                                       chunk_rows=q.shape[0])  # fmt: skip
             return ChunkScores(logits)
         C, H, D = q.shape

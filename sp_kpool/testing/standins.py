@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..backends.deepgemm_logits import align
-from ..serving import mqa_logits_fp8_reference
+from ..serving_scores import mqa_logits_fp8_reference
 
 __all__ = ["GARBAGE", "fp8_mqa_logits", "fp8_fp4_mqa_logits", "fake_deep_gemm", "tilelang_kernel",
            "tilelang_scores", "install", "Installed"]  # fmt: skip
@@ -78,7 +78,7 @@ def fp8_mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_l
 
     Returns:
         FP32 logits, values ``k_scale[n] * sum_h w[r, h] * relu(<q[r, h], k8[n]>)``
-        (:func:`sp_kpool.serving.mqa_logits_fp8_reference`, bit for bit), stored as the
+        (:func:`sp_kpool.serving_scores.mqa_logits_fp8_reference`, bit for bit), stored as the
         real kernel stores them: ``align(R, 128 / H) (+ extra_rows)`` rows of stride
         ``align(N + 256, a)`` (legacy) or ``align(M, 256)`` (compact).
 

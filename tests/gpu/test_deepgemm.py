@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from sp_kpool import serving
+from sp_kpool import serving, serving_scores
 from sp_kpool.backends import BACKENDS
 from sp_kpool.pooling import pool_table
 from sp_kpool.selection import row_meta
@@ -45,7 +45,7 @@ def test_logits_vs_dequantized_reference(H, layout):
     st, offs = pool_table(p.seq.real_cu_seq_lens, 4)
     k8, ks = pools_serving(p.k, p.gates, p.ape, st.cuda(), fp8=True)
     q8, wq = queries_fp8(p.q, p.head_weights)
-    ref = serving.mqa_logits_fp8_reference(q8, wq, k8, ks)
+    ref = serving_scores.mqa_logits_fp8_reference(q8, wq, k8, ks)
     m = row_meta(torch.arange(p.seq.shard_start, p.seq.shard_end), p.seq.real_cu_seq_lens, offs, 4)
     s, e = m.pool_lo.int().cuda(), m.pool_hi.int().cuda()
     cols = torch.arange(k8.shape[0], device="cuda")

@@ -4,7 +4,7 @@ selections equal to a direct recomputation, and sharded bitwise equality in ever
 import pytest
 import torch
 
-from sp_kpool import KPoolIndexer, ShardedSequence, kpool_topk, serving
+from sp_kpool import KPoolIndexer, ShardedSequence, kpool_topk, serving, serving_scores
 from sp_kpool.pooling import pool_table
 from sp_kpool.precision import default_precision, resolve_precision
 from sp_kpool.testing.invariants import check_invariants, row_token_sets
@@ -62,10 +62,10 @@ def _direct_sets(x, precision, topk, kpool):
     if precision == "fp8":
         k8, ks = serving.prepare_pools_fp8(x.k, x.gates, x.ape, starts)
         q8, wq = serving.prepare_queries_fp8(x.q, x.head_weights)
-        scores = serving.mqa_logits_fp8_reference(q8, wq, k8, ks)
+        scores = serving_scores.mqa_logits_fp8_reference(q8, wq, k8, ks)
     else:
         pools = serving.prepare_pools_bf16_serving(x.k, x.gates, x.ape, starts)
-        scores = serving.scores_bf16_serving(x.q, x.head_weights, pools)
+        scores = serving_scores.scores_bf16_serving(x.q, x.head_weights, pools)
     sets = []
     for t in range(cu[-1]):
         d = int(torch.searchsorted(cu, t, right=True)) - 1

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from sp_kpool import serving
+from sp_kpool import serving, serving_scores
 
 # ---------------------------------------------------------------- constants
 
@@ -391,7 +391,7 @@ def test_mqa_logits_reference_vs_float64():
     g = _gen(12)
     q = torch.randn(s, h, d, generator=g)
     q8, wp = serving.prepare_queries_fp8(q, torch.randn(s, h, generator=g))
-    got = serving.mqa_logits_fp8_reference(q8, wp, k8, ks, chunk_rows=7)
+    got = serving_scores.mqa_logits_fp8_reference(q8, wp, k8, ks, chunk_rows=7)
     assert got.dtype == torch.float32 and got.shape == (s, p)
     qd, kd = q8.double(), k8.double()
     dots = torch.einsum("thd,pd->thp", qd, kd)
@@ -400,9 +400,9 @@ def test_mqa_logits_reference_vs_float64():
     mag = ks.double()[None] * (absdots * wp.double().abs()[:, :, None]).sum(1)
     err = (got.double() - ref).abs()
     assert (err <= _accum_bound(mag, d + h)).all()
-    again = serving.mqa_logits_fp8_reference(q8, wp, k8, ks, chunk_rows=7)
+    again = serving_scores.mqa_logits_fp8_reference(q8, wp, k8, ks, chunk_rows=7)
     assert torch.equal(got, again)  # deterministic
-    full = serving.mqa_logits_fp8_reference(q8, wp, k8, ks)
+    full = serving_scores.mqa_logits_fp8_reference(q8, wp, k8, ks)
     assert ((full.double() - ref).abs() <= _accum_bound(mag, d + h)).all()
 
 
@@ -414,7 +414,7 @@ def test_scores_bf16_serving_vs_float64_and_fp8_arm():
     g = _gen(14)
     q = torch.randn(s, h, d, generator=g).to(torch.bfloat16)
     w = torch.randn(s, h, generator=g).to(torch.bfloat16)
-    got = serving.scores_bf16_serving(q, w, pools, chunk_rows=5)
+    got = serving_scores.scores_bf16_serving(q, w, pools, chunk_rows=5)
     assert got.dtype == torch.float32 and got.shape == (s, p)
     qd, pd = q.double(), pools.double()
     dots = torch.einsum("thd,pd->thp", qd, pd)
@@ -425,7 +425,7 @@ def test_scores_bf16_serving_vs_float64_and_fp8_arm():
     # The FP8 arm scores the same pools after a rotation: close, not equal (contract §6).
     k8, ks = serving.prepare_pools_fp8(k, gates, ape, starts)
     q8, wp = serving.prepare_queries_fp8(q, w)
-    fp8 = serving.mqa_logits_fp8_reference(q8, wp, k8, ks).double()
+    fp8 = serving_scores.mqa_logits_fp8_reference(q8, wp, k8, ks).double()
     diff = 1 - 2 * (fp8 * ref).sum() / ((fp8 * fp8) + (ref * ref)).sum()
     assert diff.item() < 2e-3
 
@@ -453,8 +453,8 @@ def _all_outputs() -> list[torch.Tensor]:
         ks,
         q8,
         wp,
-        serving.mqa_logits_fp8_reference(q8, wp, k8, ks, chunk_rows=6),
-        serving.scores_bf16_serving(q, w, pools, chunk_rows=6),
+        serving_scores.mqa_logits_fp8_reference(q8, wp, k8, ks, chunk_rows=6),
+        serving_scores.scores_bf16_serving(q, w, pools, chunk_rows=6),
     ]
 
 
@@ -492,16 +492,16 @@ def test_scoring_validation_names_the_argument():
     ks = torch.ones(3)
     msg = r"k8: expected dtype torch.float8_e4m3fn, got torch.float32"
     with pytest.raises(TypeError, match=msg):
-        serving.mqa_logits_fp8_reference(q8, w, k8.float(), ks)
+        serving_scores.mqa_logits_fp8_reference(q8, w, k8.float(), ks)
     with pytest.raises(ValueError, match=r"weights: expected shape \(4, 2\).*\(4, 3\)"):
-        serving.mqa_logits_fp8_reference(q8, torch.zeros(4, 3), k8, ks)
+        serving_scores.mqa_logits_fp8_reference(q8, torch.zeros(4, 3), k8, ks)
     with pytest.raises(ValueError, match="k_scale"):
-        serving.mqa_logits_fp8_reference(q8, w, k8, torch.ones(2))
+        serving_scores.mqa_logits_fp8_reference(q8, w, k8, torch.ones(2))
     with pytest.raises(ValueError, match="chunk_rows"):
-        serving.mqa_logits_fp8_reference(q8, w, k8, ks, chunk_rows=0)
+        serving_scores.mqa_logits_fp8_reference(q8, w, k8, ks, chunk_rows=0)
     with pytest.raises(ValueError, match="head_weights"):
         serving.prepare_queries_fp8(torch.zeros(4, 2, 8), torch.zeros(4, 3))
     with pytest.raises(ValueError, match=r"q: expected the last dim to be a power of two, got 12"):
         serving.prepare_queries_fp8(torch.zeros(4, 2, 12), torch.zeros(4, 2))
     with pytest.raises(ValueError, match="pools_bf16"):
-        serving.scores_bf16_serving(torch.zeros(4, 2, 8), w, torch.zeros(3, 16))
+        serving_scores.scores_bf16_serving(torch.zeros(4, 2, 8), w, torch.zeros(3, 16))
