@@ -276,11 +276,18 @@ def _check_pool_args(k, gates, ape, pool_tok_start) -> tuple[torch.Tensor, ...]:
     return k, gates, ape, pool_tok_start
 
 
-def _slot_logits(k, gates, ape, pool_tok_start):
-    """Per slot ``j``: the rows of the pools' tokens and ``s_j = f32(g) + f32(ape_j)`` ``[P, D]``."""
-    rows = [pool_tok_start + j for j in range(ape.shape[0])]
-    ape_f = ape.float()
-    return rows, [gates.index_select(0, rows[j]).float() + ape_f[j] for j in range(ape.shape[0])]
+def _compress(k, gates, ape, pool_tok_start, order) -> torch.Tensor:
+    """The arguments checked, then ``order(k, rows, logits)`` in FP32 with autocast off:
+    ``rows[j]`` the rows of slot ``j`` of every pool, ``logits[j] = f32(g) + f32(ape_j)``
+    ``[P, D]``; ``[0, D]`` float32 without pools."""
+    k, gates, ape, pool_tok_start = _check_pool_args(k, gates, ape, pool_tok_start)
+    with _fp32_region(k.device):
+        if pool_tok_start.shape[0] == 0:
+            return torch.zeros((0, k.shape[1]), dtype=torch.float32, device=k.device)
+        rows = [pool_tok_start + j for j in range(ape.shape[0])]
+        ape_f = ape.float()
+        logits = [gates.index_select(0, rows[j]).float() + ape_f[j] for j in range(ape.shape[0])]
+        return order(k, rows, logits)
 
 
 def compress_pools_decode(
@@ -314,22 +321,20 @@ def compress_pools_decode(
         ``exp`` may differ in the last bit). Serving's "extend" order is
         :func:`compress_pools_extend`.
     """
-    k, gates, ape, pool_tok_start = _check_pool_args(k, gates, ape, pool_tok_start)
-    n_pools, d = pool_tok_start.shape[0], k.shape[1]
-    with _fp32_region(k.device):
-        if n_pools == 0:
-            return torch.zeros((0, d), dtype=torch.float32, device=k.device)
-        rows, logits = _slot_logits(k, gates, ape, pool_tok_start)
-        m = logits[0]
-        for j in range(1, len(rows)):
-            m = torch.maximum(m, logits[j])
-        den = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
-        num = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
-        for j in range(len(rows)):
-            e = torch.exp(logits[j] - m)
-            den = den + e
-            num = num + k.index_select(0, rows[j]).float() * e
-        return num / den
+    return _compress(k, gates, ape, pool_tok_start, _decode_order)
+
+
+def _decode_order(k, rows, logits):
+    m = logits[0]
+    for j in range(1, len(rows)):
+        m = torch.maximum(m, logits[j])
+    den = torch.zeros_like(m)
+    num = torch.zeros_like(m)
+    for j in range(len(rows)):
+        e = torch.exp(logits[j] - m)
+        den = den + e
+        num = num + k.index_select(0, rows[j]).float() * e
+    return num / den
 
 
 def compress_pools_extend(
@@ -350,23 +355,21 @@ def compress_pools_extend(
         ``den = den * r + p``, ``acc = acc * r + k[t_j].float() * p``, ``m = m'``; then
         ``acc / den`` (correctly rounded division).
     """
-    k, gates, ape, pool_tok_start = _check_pool_args(k, gates, ape, pool_tok_start)
-    n_pools, d = pool_tok_start.shape[0], k.shape[1]
-    with _fp32_region(k.device):
-        if n_pools == 0:
-            return torch.zeros((0, d), dtype=torch.float32, device=k.device)
-        rows, logits = _slot_logits(k, gates, ape, pool_tok_start)
-        m = torch.full((n_pools, d), -math.inf, dtype=torch.float32, device=k.device)
-        den = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
-        acc = torch.zeros((n_pools, d), dtype=torch.float32, device=k.device)
-        for j in range(len(rows)):
-            m_new = torch.maximum(m, logits[j])
-            r = torch.exp(m - m_new)
-            p = torch.exp(logits[j] - m_new)
-            den = den * r + p
-            acc = acc * r + k.index_select(0, rows[j]).float() * p
-            m = m_new
-        return acc / den
+    return _compress(k, gates, ape, pool_tok_start, _extend_order)
+
+
+def _extend_order(k, rows, logits):
+    m = torch.full_like(logits[0], -math.inf)
+    den = torch.zeros_like(m)
+    acc = torch.zeros_like(m)
+    for j in range(len(rows)):
+        m_new = torch.maximum(m, logits[j])
+        r = torch.exp(m - m_new)
+        p = torch.exp(logits[j] - m_new)
+        den = den * r + p
+        acc = acc * r + k.index_select(0, rows[j]).float() * p
+        m = m_new
+    return acc / den
 
 
 def compress_pools_serving(k, gates, ape, pool_tok_start, extend: torch.Tensor | None = None) -> torch.Tensor:
