@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_int
-from .comm import exchange_rows, pack_rows, unpack_rows
+from ._device import to_device
+from .comm import exchange_rows, pack_rows, take_rows, unpack_rows
 
 __all__ = [
     "ROW_COST",
@@ -47,6 +48,7 @@ __all__ = [
     "causal_partition",
     "contiguous_partition",
     "row_work_prefix",
+    "owned_work",
     "move_queries",
     "route_pools",
 ]
@@ -76,6 +78,11 @@ class CausalPartition:
     max_block_work: int
     applied: bool
     row_cost: int = ROW_COST
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """Per rank, the ``(lo, hi)`` real rows it computes."""
+        return list(zip(self.bounds, self.bounds[1:]))
 
     @property
     def mean_work(self) -> float:
@@ -131,7 +138,8 @@ def _contiguous_bounds(n: int, world_size: int, shard_size: int) -> tuple[int, .
 
 @functools.lru_cache(maxsize=64)
 def _partition_cached(
-    cu: tuple[int, ...], kpool: int, world_size: int, shard_size: int, block: int, row_cost: int
+    cu: tuple[int, ...], kpool: int, world_size: int, shard_size: int, block: int, row_cost: int,
+    owned: tuple[int, ...] | None = None,
 ) -> CausalPartition:
     prefix = _prefix_cached(cu, kpool, row_cost)
     n = prefix.numel() - 1
@@ -155,7 +163,7 @@ def _partition_cached(
         )
         bounds.append(max(bounds[-1], int(cands[best])))
     bounds.append(n)
-    balanced, plain = _works(prefix, bounds), _works(prefix, contiguous)
+    balanced, plain = _works(prefix, bounds), owned if owned is not None else _works(prefix, contiguous)
     applied = R > 1 and max(balanced) < max(plain)
     return CausalPartition(
         bounds=tuple(bounds) if applied else contiguous,
@@ -203,6 +211,7 @@ def causal_partition(
     shard_size: int,
     block: int,
     row_cost: int = ROW_COST,
+    owned: tuple[int, ...] | None = None,
 ) -> CausalPartition:
     """Balance the causal work of the real rows over ``world_size`` ranks (pure).
 
@@ -214,6 +223,9 @@ def causal_partition(
         block: boundaries are multiples of it or the number of real rows (the last one,
             and those of trailing ranks left without rows).
         row_cost: the per-row constant of the work model.
+        owned: the work each rank owns in place when the layout is not the contiguous
+            split (:func:`owned_work`); the partition is applied only when it lowers the
+            largest of these (``contiguous_work`` then reports them).
 
     Every boundary is the aligned row whose prefix work is nearest its ideal
     ``r * total / R``, so each range's work is within ``max_block_work`` of the ideal
@@ -222,57 +234,85 @@ def causal_partition(
     """
     cu = _check_args(real_cu_seq_lens, kpool=(kpool, 1), world_size=(world_size, 1),
                      shard_size=(shard_size, 1), block=(block, 1), row_cost=(row_cost, 0))  # fmt: skip
-    return _partition_cached(cu, kpool, world_size, shard_size, block, row_cost)
+    return _partition_cached(cu, kpool, world_size, shard_size, block, row_cost, owned)
 
 
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
-    lo, hi = max(a[0], b[0]), min(a[1], b[1])
-    return (lo, max(lo, hi))
+def owned_work(seq, kpool: int, row_cost: int = ROW_COST) -> tuple[int, ...]:
+    """Causal work of the real rows each rank owns (its in-place work), per rank."""
+    cache = seq.__dict__.setdefault("_owned_work", {})
+    key = (kpool, row_cost)
+    if key not in cache:
+        prefix = _prefix_cached(tuple(seq.real_cu_seq_lens.tolist()), kpool, row_cost)
+        per_row = prefix[1:] - prefix[:-1]
+        cache[key] = tuple(int(per_row[seq.real_rows(r)].sum()) for r in range(seq.world_size))
+    return cache[key]
 
 
-def move_queries(problem, own, comp, stats=None):
+def _within(rows: torch.Tensor, rng: tuple[int, int]) -> tuple[int, int]:
+    """``(i0, i1)``: the entries of the ascending ``rows`` in ``[lo, hi)``."""
+    i0, i1 = torch.searchsorted(rows, torch.tensor(list(rng), dtype=rows.dtype)).tolist()
+    return i0, i1
+
+
+def _place(parts: list[tuple[torch.Tensor, torch.Tensor]], lo: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    """``[n, ...]``: each ``(rows, x)`` of ``parts`` written at ``rows - lo``; together the
+    parts' rows are exactly ``[lo, lo + n)`` (every real row has one owner)."""
+    parts = sorted(((r, x) for r, x in parts if r.numel()), key=lambda p: int(p[0][0]))
+    if all(int(r[-1]) - int(r[0]) + 1 == r.numel() for r, _ in parts):  # runs: they tile the range
+        return torch.cat([x for _, x in parts]) if parts else like[:0]
+    out = like.new_empty((n, *like.shape[1:]))
+    for rows, x in parts:
+        out.index_copy_(0, to_device(rows - lo, out.device), x)
+    return out
+
+
+def move_queries(problem, comp, stats=None):
     """Queries and raw head weights of this rank's compute range, from their owners.
 
-    ``own`` and ``comp``: per rank, the owned and the computed ``(lo, hi)`` real rows.
-
-    Each owner sends the rows of its shard that another rank computes, packed as bytes
-    (one message per pair of ranks, all in one ``batch_isend_irecv``)."""
+    ``comp``: per rank, the computed ``(lo, hi)`` real rows. Each owner sends the rows it
+    owns (:meth:`~sp_kpool.ShardedSequence.real_rows`, any layout) that another rank
+    computes, packed as bytes (one message per pair of ranks, all in one
+    ``batch_isend_irecv``)."""
     seq, device = problem.seq, problem.device
     R, me = seq.world_size, seq.rank
     q, w = problem.q, problem.head_weights
     H, D = problem.heads, problem.head_dim
-    o_lo = own[me][0]
+    mine, where = seq.real_rows(), seq.storage_index()
     _, layout = pack_rows([q[:0], w[:0]])
     row_bytes = H * D * q.element_size() + H * w.element_size()
     sends, recvs = {}, {}
     for peer in range(R):
         if peer == me:
             continue
-        a, b = _overlap(own[me], comp[peer])
-        if b > a:
-            sends[peer] = pack_rows([q[a - o_lo : b - o_lo], w[a - o_lo : b - o_lo]])[0]
-        a, b = _overlap(own[peer], comp[me])
-        if b > a:
-            recvs[peer] = (b - a, row_bytes)
+        i0, i1 = _within(mine, comp[peer])
+        if i1 > i0:
+            idx = where[i0:i1]
+            sends[peer] = pack_rows([take_rows(q, idx), take_rows(w, idx)])[0]
+        j0, j1 = _within(seq.real_rows(peer), comp[me])
+        if j1 > j0:
+            recvs[peer] = (j1 - j0, row_bytes)
     got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="balance_queries")
-    q_parts, w_parts = [q.new_empty((0, H, D))], [w.new_empty((0, H))]
-    for peer in range(R):  # owners in rank order = global row order
-        a, b = _overlap(own[peer], comp[me])
-        if b <= a:
+    lo, hi = comp[me]
+    q_parts, w_parts = [], []
+    for peer in range(R):
+        rows = seq.real_rows(peer)
+        j0, j1 = _within(rows, comp[me])
+        if j1 <= j0:
             continue
         if peer == me:
-            q_parts.append(q[a - o_lo : b - o_lo])
-            w_parts.append(w[a - o_lo : b - o_lo])
+            idx = where[j0:j1]
+            qp, wp = take_rows(q, idx), take_rows(w, idx)
         else:
             qp, wp = unpack_rows(got[peer], layout)
-            q_parts.append(qp)
-            w_parts.append(wp)
-    return torch.cat(q_parts), torch.cat(w_parts)
+        q_parts.append((rows[j0:j1], qp))
+        w_parts.append((rows[j0:j1], wp))
+    return _place(q_parts, lo, hi - lo, q), _place(w_parts, lo, hi - lo, w)
 
 
-def route_pools(problem, pools, own, comp, stats=None):
-    """The selected pools ``[n, topk // K]`` of this rank's own rows, from their computers
-    (sent as int32, in one ``batch_isend_irecv``)."""
+def route_pools(problem, pools, comp, stats=None):
+    """The selected pools ``[n, topk // K]`` of this rank's own real rows (ascending), from
+    their computers (sent as int32, in one ``batch_isend_irecv``); ``pools`` are those of
+    this rank's compute range."""
     seq, device = problem.seq, problem.device
     R, me = seq.world_size, seq.rank
     c_lo = comp[me][0]
@@ -281,16 +321,17 @@ def route_pools(problem, pools, own, comp, stats=None):
     for peer in range(R):
         if peer == me:
             continue
-        a, b = _overlap(comp[me], own[peer])
-        if b > a:
-            sends[peer] = pools[a - c_lo : b - c_lo].to(torch.int32)
-        a, b = _overlap(comp[peer], own[me])
-        if b > a:
-            recvs[peer] = (b - a, k_sel)
+        rows = seq.real_rows(peer)
+        j0, j1 = _within(rows, comp[me])
+        if j1 > j0:
+            sends[peer] = take_rows(pools, rows[j0:j1] - c_lo).to(torch.int32)
+        i0, i1 = _within(seq.real_rows(), comp[peer])
+        if i1 > i0:
+            recvs[peer] = (i1 - i0, k_sel)
     got = exchange_rows(sends, recvs, seq, dtype=torch.int32, device=device, stats=stats, tag="balance_pools")
-    mine = [pools[:0]]
-    for peer in range(R):  # computers in rank order = global row order
-        a, b = _overlap(comp[peer], own[me])
-        if b > a:
-            mine.append(pools[a - c_lo : b - c_lo] if peer == me else got[peer].to(pools.dtype))
-    return torch.cat(mine)
+    mine, out = seq.real_rows(), [pools[:0]]
+    for peer in range(R):  # compute ranges ascend with the rank: pieces in row order
+        i0, i1 = _within(mine, comp[peer])
+        if i1 > i0:
+            out.append(take_rows(pools, mine[i0:i1] - c_lo) if peer == me else got[peer].to(pools.dtype))
+    return torch.cat(out)

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from ._device import to_device
 from .sharding import ShardedSequence
 
 __all__ = [
@@ -34,6 +35,10 @@ __all__ = [
     "pack_rows",
     "unpack_rows",
     "agree_or_raise",
+    "gather_positions",
+    "gather_keys",
+    "real_order",
+    "take_rows",
 ]
 
 
@@ -84,9 +89,13 @@ def _gather_into_tensor():
 
 def comm_device(seq: ShardedSequence) -> torch.device:
     """Device that the group's backend communicates on: CUDA for NCCL, else CPU."""
+    return _group_device(seq.group)
+
+
+def _group_device(group) -> torch.device:
     import torch.distributed as dist
 
-    backend = str(dist.get_backend(seq.group)).lower()
+    backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -113,6 +122,38 @@ def all_gather_rows(
         moved = (seq.world_size - 1) * _nbytes(src)
         stats.add(tag, moved, moved)
     return out.to(x.device)
+
+
+def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` (int64 CPU) of ``x``: a view when they are a contiguous ascending
+    range (the contiguous layout), else one ``index_select``."""
+    n = index.numel()
+    if n == 0:
+        return x[:0]
+    a = int(index[0])
+    if int(index[-1]) - a + 1 == n and torch.equal(index, torch.arange(a, a + n)):
+        return x[a : a + n]
+    return x.index_select(0, to_device(index, x.device))
+
+
+def gather_keys(x: torch.Tensor, seq: ShardedSequence, stats: CommStats | None = None) -> torch.Tensor:
+    """Every rank's rows of ``x [S_local, *F]`` in real-row order: ``[N, *F]`` (``N`` real
+    rows; in the contiguous layout ``[S, *F]``, the padding rows last). One all-gather
+    (of rows padded to the largest rank's count when counts differ), then, unless the
+    layout is contiguous, one ``index_select`` into real-row order."""
+    if seq.is_contiguous:
+        return all_gather_rows(x, seq, stats=stats, tag="gather_keys")
+    counts = [p.numel() for p in seq.rank_positions]
+    return real_order(all_gather_uneven_rows(x, counts, seq, stats=stats, tag="gather_keys"), seq)
+
+
+def real_order(full: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
+    """The concatenation of every rank's rows (rank order, each in storage order) in
+    real-row order (``[N, *F]``; the contiguous layout's concatenation already is, and is
+    returned as is)."""
+    if seq.is_contiguous:
+        return full
+    return full.index_select(0, to_device(seq.gathered_index, full.device))
 
 
 def all_gather_uneven_rows(
@@ -275,3 +316,39 @@ def agree_or_raise(
         raise ValueError(
             "ranks disagree on values that must be equal on every rank:\n  " + "\n  ".join(mismatched)
         )
+
+
+def gather_positions(positions: torch.Tensor, error: str | None, *, world_size: int, rank: int, group=None
+                     ) -> list[torch.Tensor]:  # fmt: skip
+    """Every rank's ``positions`` (int64 CPU, sizes may differ), for
+    :meth:`sp_kpool.ShardedSequence.from_positions`: one small all-gather of the sizes and
+    error flags, then one of the positions (padded to the largest size). A rank's local
+    ``error`` (or a world size / rank that does not match ``group``) makes every rank
+    raise the same ``ValueError`` naming the rank(s), before the positions move."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"world_size: {world_size} ranks need an initialized torch.distributed process group")
+    actual = (dist.get_world_size(group), dist.get_rank(group))
+    if actual[0] != world_size:  # every rank of the group sees the same size: raised alike
+        raise ValueError(f"world_size: expected dist.get_world_size(group) = {actual[0]}, got {world_size}")
+    if error is None and actual[1] != rank:
+        error = f"ValueError: rank: expected dist.get_rank(group) = {actual[1]}, got {rank}"
+    dev = _group_device(group)
+    head = torch.tensor([[1 if error else 0, positions.numel()]], dtype=torch.int64, device=dev)
+    heads = torch.empty((world_size, 2), dtype=torch.int64, device=dev)
+    _gather_into_tensor()(heads, head, group=group)
+    heads = heads.cpu()
+    failed = [r for r in range(world_size) if int(heads[r, 0])]
+    if failed:
+        texts: list = [None] * world_size
+        dist.all_gather_object(texts, error, group=group)
+        raise ValueError("invalid input on rank(s) %s:\n  %s" % (failed, "\n  ".join(f"rank {r}: {texts[r]}" for r in failed)))
+    counts = heads[:, 1].tolist()
+    width = max(counts)
+    buf = torch.full((width,), -1, dtype=torch.int64, device=dev)
+    buf[: positions.numel()] = positions.to(dev)
+    full = torch.empty((world_size * width,), dtype=torch.int64, device=dev)
+    _gather_into_tensor()(full, buf, group=group)
+    full = full.cpu()
+    return [full[r * width : r * width + c].clone() for r, c in enumerate(counts)]

@@ -47,13 +47,16 @@ from .balance import (
     CausalPartition,
     causal_partition,
     move_queries,
+    owned_work,
     route_pools,
     row_work_prefix,
 )
 from .checks import check_float_tensor
-from .comm import CommStats, agree_or_raise, all_gather_rows
+from ._device import to_device
+from .comm import CommStats, agree_or_raise, gather_keys, real_order, take_rows
 from .config import KPoolConfig, RunOptions, split_keywords
-from .plan import ChunkPlan, plan_chunks
+from .layouts import LAYOUTS
+from .plan import ChunkPlan, Span, plan_chunks, row_spans
 from .pool_gather import gather_pools, pool_shards
 from .pooling import pool_table
 from .scoring import select_chunks
@@ -144,12 +147,17 @@ def _call(problem: Problem, options: RunOptions, counter: CommStats | None = Non
             row_cost = backend.balance_row_cost
         if P >= 2**31:
             raise ValueError(f"balance: at most 2**31 - 1 pools supported, got {P}")
+        owned = None if seq.is_contiguous else owned_work(seq, config.kpool, row_cost)
         part = causal_partition(
-            seq.real_cu_seq_lens, kpool=config.kpool, world_size=seq.world_size, shard_size=seq.shard_size,
-            block=block, row_cost=row_cost,
+            seq.real_cu_seq_lens, kpool=config.kpool, world_size=seq.world_size,
+            shard_size=-(-seq.num_real_tokens // seq.world_size) if owned else seq.shard_size, block=block,
+            row_cost=row_cost, owned=owned,
         )  # fmt: skip
     return Call(problem, backend, options, chunk, P, part, counter)
 
+
+LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS + ("positions",))}
+LAYOUT_NAMES = {-2: "another layout", **{i: name for name, i in LAYOUT_CODES.items()}}
 
 #: dtypes and device types as codes of the agreement (-1: not a tensor, -2: another one)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32)
@@ -177,7 +185,8 @@ def _signature(q, seq, call: Call | None, tensors: dict) -> list[tuple]:
     sig = _tensor_signature(tensors) + [
         ("cu_seq_lens (crc32)", zlib.crc32(cu)),
         ("len(cu_seq_lens)", seq.cu_seq_lens.numel()),
-        ("shard_size", seq.shard_size),
+        ("layout", LAYOUT_CODES.get(seq.layout, -2), LAYOUT_NAMES),
+        ("rows per rank (crc32)", seq.layout_crc),
         ("world_size", seq.world_size),
         ("prompt_lens (crc32)", zlib.crc32(repr(seq.prompt_lens).encode())),
         ("q.shape[1] (H)", q.shape[1] if three else -1),
@@ -228,8 +237,7 @@ def run(q, k, gates, head_weights, ape, seq, config: KPoolConfig | None = None, 
     pooled = None
     if options.gather == "keys":  # 2. gather
         with stage(problem, "gather"):
-            k_all = all_gather_rows(k, seq, stats=counter, tag="gather_keys")
-            gates_all = all_gather_rows(gates, seq, stats=counter, tag="gather_keys")
+            k_all, gates_all = gather_keys(k, seq, counter), gather_keys(gates, seq, counter)
         problem = dataclasses.replace(problem, k=k_all, gates=gates_all)
     elif call.pools:  # problem.k / gates stay this rank's shards: with pools gathered, nothing reads them
         pooled = gather_pools(backend, problem, pool_table(seq.real_cu_seq_lens, problem.kpool)[0], stats=counter)
@@ -256,35 +264,45 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     """Stages 3-8 on this rank, after the gather: ``call.problem`` holds the gathered keys
     and gates (``gather="keys"``) or ``pooled`` the gathered pools."""
     problem, backend, counter, seq = call.problem, call.backend, call.counter, call.problem.seq
+    device, C = problem.device, call.chunk or 1
     q, head_weights = problem.q, problem.head_weights
-    n_real = seq.num_real_tokens
-    own = (min(seq.shard_start, n_real), min(seq.shard_end, n_real))
-    rows, q_rows, w_rows = own, q[: own[1] - own[0]], head_weights[: own[1] - own[0]]
+    owned = seq.real_rows()  # this rank's real rows, ascending (its storage order: seq.storage_index())
     if call.balanced:  # 3. partition: this rank scores the rows of its compute range
-        owned, computed = _ranges(seq, call.partition)
+        computed = call.partition.ranges
         with stage(problem, "balance_exchange"):
-            q_rows, w_rows = move_queries(problem, owned, computed, counter)
-        rows = computed[seq.rank]
-    plan = plan_chunks(seq, problem.kpool, call.chunk or 1, *rows, problem.device,
-                       cache=problem.settings.table_cache)  # 4. plan  # fmt: skip
+            q_rows, w_rows = move_queries(problem, computed, counter)
+        spans = [Span(*computed[seq.rank])]
+    else:
+        q_rows, w_rows = take_rows(q, seq.storage_index()), take_rows(head_weights, seq.storage_index())
+        spans = row_spans(seq.runs, C, seq.real_rows())
     k_sel = problem.topk // problem.kpool
-    pools = queries = None
-    if plan.chunks:
+    pools, queries, parts, offset = pooled, None, [], 0
+    for span in spans or [Span(0, 0)]:
+        plan = plan_chunks(seq, problem.kpool, C, span.lo, span.hi, device, runs=span.runs,
+                           cache=problem.settings.table_cache)  # 4. plan  # fmt: skip
+        n = span.rows
+        if not plan.chunks:  # no rows scored here, or no complete pool at all
+            parts.append(torch.full((n, k_sel), -1, dtype=torch.int32, device=device))
+            offset += n
+            continue
         with stage(problem, "pool"):  # 5. pool and prepare
-            pool_in = None if pooled is not None else PoolInputs(problem.k, problem.gates, plan.pool_tok_start,
-                                                                 plan.extend)  # fmt: skip
-            built, queries = backend.prepare(problem, pool_in, QueryInputs(q_rows, w_rows, rows[0], *plan.padding()))
-        pools = pooled if pooled is not None else built
+            pool_in = None if pools is not None else PoolInputs(problem.k, problem.gates, plan.pool_tok_start,
+                                                                plan.extend)  # fmt: skip
+            q_span, w_span = span.lay(q_rows[offset : offset + n]), span.lay(w_rows[offset : offset + n])
+            built, queries = backend.prepare(problem, pool_in, QueryInputs(q_span, w_span, span.lo, *plan.padding()))
+        pools = pools if pools is not None else built
         selected = select_chunks(backend, problem, pools, queries, plan)  # 6. score and select
-    else:  # no rows scored here, or no complete pool at all
-        selected = torch.full((rows[1] - rows[0], k_sel), -1, dtype=torch.int32, device=problem.device)
+        parts.append(span.pick(selected))
+        offset += n
+    selected = parts[0] if len(parts) == 1 else torch.cat(parts)
     if call.balanced:  # 7. route back
         with stage(problem, "balance_route"):
-            selected = route_pools(problem, selected, owned, computed, counter)
-        meta = row_meta(torch.arange(*own, device=problem.device), plan.cu, plan.offs, problem.kpool)
-    else:
+            selected = route_pools(problem, selected, computed, counter)
+    if seq.is_contiguous and not call.balanced:
         meta = plan.meta
-    ids = _expand(problem, selected, meta, plan.pool_tok_start, own[1] - own[0])  # 8. expand
+    else:
+        meta = row_meta(to_device(owned, device), plan.cu, plan.offs, problem.kpool)
+    ids = _expand(problem, selected, meta, plan.pool_tok_start)  # 8. expand
     return Computed(ids, call, pools, queries, plan)
 
 
@@ -293,11 +311,12 @@ def run_gathered(inputs: dict, seq: ShardedSequence, config: KPoolConfig, option
     """One rank's stages 3-8 from inputs already gathered, in this process: ``inputs`` holds
     ``q [S_local, H, D]``, ``head_weights [S_local, H]``, ``ape`` and the keys and gates of
     the **whole** sequence, ``k``/``gates [S, D]`` (the concatenation of every rank's
-    shard, which is what the all-gather returns). Simulations of several ranks and the
+    rows in rank order, which is what the all-gather returns). Simulations of several ranks and the
     parity replay use it; ``balance`` and ``gather`` are ignored (they need the ranks),
     and they change no output bit."""
     settings = settings if settings is not None else current_settings()
     config = config.resolve(settings, inputs["q"].device)
+    inputs = {**inputs, "k": real_order(inputs["k"], seq), "gates": real_order(inputs["gates"], seq)}
     problem = Problem(**inputs, seq=seq, config=config, settings=settings)
     return solve(problem, (options or RunOptions()).backend)
 
@@ -310,23 +329,24 @@ def solve(problem: Problem, backend: str = "torch") -> Computed:
     return _compute(_call(problem, RunOptions(backend=backend)), None)
 
 
-def _ranges(seq: ShardedSequence, part: CausalPartition):
-    """Per rank, the owned and the computed ``(lo, hi)`` real rows."""
-    n = seq.num_real_tokens
-    owned = [(min(r * seq.shard_size, n), min((r + 1) * seq.shard_size, n)) for r in range(seq.world_size)]
-    computed = [(part.bounds[r], part.bounds[r + 1]) for r in range(seq.world_size)]
-    return owned, computed
-
-
-def _expand(problem: Problem, selected: torch.Tensor, meta, pool_tok_start: torch.Tensor, n: int) -> torch.Tensor:
-    """``[S_local, width]`` int32: the ``n`` real rows expanded, the padding rows ``-1``."""
-    cfg = problem.config
-    out = torch.empty((problem.seq.shard_size, cfg.width), dtype=torch.int32, device=problem.device)
-    out[n:].fill_(-1)  # padding rows; assemble writes the others whole
+def _expand(problem: Problem, selected: torch.Tensor, meta, pool_tok_start: torch.Tensor) -> torch.Tensor:
+    """``[S_local, width]`` int32 in storage order: this rank's real rows (``selected``,
+    ascending real rows) expanded to stream ids, the padding rows ``-1``."""
+    cfg, seq = problem.config, problem.seq
+    n = selected.shape[0]
+    out = torch.empty((seq.shard_size, cfg.width), dtype=torch.int32, device=problem.device)
+    if seq.is_contiguous:  # storage order = real order, padding rows last
+        out[n:].fill_(-1)  # assemble writes the others whole
+        rows = out[:n]
+    else:
+        out.fill_(-1)
+        rows = torch.empty((n, cfg.width), dtype=torch.int32, device=problem.device)
     if n:
         with stage(problem, "expand"):
             assemble(selected, meta, pool_tok_start, topk=cfg.topk, kpool=cfg.kpool, tail=cfg.tail, order=cfg.order,
-                     alignment=cfg.alignment, presorted=True, out=out[:n])  # fmt: skip
+                     alignment=cfg.alignment, presorted=True, out=rows)  # fmt: skip
+            if not seq.is_contiguous:
+                out[to_device(seq.storage_index(), problem.device)] = seq.stream_ids(rows)
     return out
 
 

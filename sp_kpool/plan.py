@@ -43,8 +43,8 @@ from ._probe import probe
 from .pooling import extend_pools
 from .selection import RowMeta, row_meta
 
-__all__ = ["Chunk", "ChunkPlan", "TableCache", "plan_chunks", "grid_span", "pad_rows", "round_rows",
-           "row_ranges_torch"]  # fmt: skip
+__all__ = ["Chunk", "ChunkPlan", "TableCache", "Span", "plan_chunks", "row_spans", "grid_span", "pad_rows",
+           "round_rows", "row_ranges_torch"]  # fmt: skip
 
 
 def round_rows(rows: int) -> int:
@@ -65,6 +65,59 @@ def pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
     """``x`` with ``before`` zero rows in front and ``after`` behind (dim 0), in one host
     call: how a partial chunk's rows are laid on the chunk grid."""
     return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (before, after))
+
+
+@dataclass(frozen=True)
+class Span:
+    """Real rows ``[lo, hi)`` scored in one plan; ``rows`` (int64 CPU, ascending, within the
+    span) are those computed here when not all are (``None``: all). The others are zero
+    rows with empty pool ranges, like the rows of a partial chunk."""
+
+    lo: int
+    hi: int
+    rows_here: torch.Tensor | None = None
+    runs: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows computed here."""
+        return self.hi - self.lo if self.rows_here is None else self.rows_here.numel()
+
+    def lay(self, x: torch.Tensor) -> torch.Tensor:
+        """The computed rows ``x [rows, ...]`` laid on the span ``[hi - lo, ...]``, zero rows
+        between them."""
+        if self.rows_here is None:
+            return x
+        out = x.new_zeros((self.hi - self.lo, *x.shape[1:]))
+        return out.index_copy_(0, to_device(self.rows_here - self.lo, x.device), x)
+
+    def pick(self, y: torch.Tensor) -> torch.Tensor:
+        """The computed rows of ``y [hi - lo, ...]``."""
+        if self.rows_here is None:
+            return y
+        return y.index_select(0, to_device(self.rows_here - self.lo, y.device))
+
+
+def row_spans(runs, C: int, rows: torch.Tensor | None = None) -> list[Span]:
+    """The :class:`Span` s of the ascending ``(lo, hi)`` runs of real rows ``rows``: runs
+    whose chunks of ``C`` rows touch or meet share a span (no chunk is scored twice, and
+    no chunk without a computed row is scored)."""
+    groups: list[list[tuple[int, int]]] = []
+    for lo, hi in runs:
+        if groups and lo // C <= (groups[-1][-1][1] - 1) // C + 1:
+            groups[-1].append((lo, hi))
+        else:
+            groups.append([(lo, hi)])
+    spans = []
+    for g in groups:
+        lo, hi = g[0][0], g[-1][1]
+        if len(g) == 1:
+            spans.append(Span(lo, hi))
+            continue
+        here = torch.cat([torch.arange(a, b) for a, b in g]) if rows is None else \
+            rows[torch.searchsorted(rows, torch.tensor(lo)) : torch.searchsorted(rows, torch.tensor(hi))]
+        spans.append(Span(lo, hi, here, tuple(g)))
+    return spans
 
 
 @dataclass(frozen=True)
@@ -118,6 +171,9 @@ class TableCache:
 class ChunkPlan:
     """The chunk grid of rows ``[lo_row, hi_row)`` and its tables on ``device``.
 
+    runs: the ``(lo, hi)`` runs of those rows computed here (``None``: all of them); the
+    others have empty ranges.
+
     rows: chunk rows ``C``. chunks: the grid (empty without rows or pools).
     num_pools: complete pools of the whole sequence. pool_tok_start ``[P]``, cu
     ``[num_docs + 1]``, offs ``[num_docs + 1]`` (each document's first pool), bounds
@@ -135,6 +191,7 @@ class ChunkPlan:
     offs: torch.Tensor
     bounds: torch.Tensor
     extend: torch.Tensor | None = None
+    runs: tuple[tuple[int, int], ...] | None = None
     _ranges: torch.Tensor | None = field(default=None, repr=False)
     _meta: RowMeta | None = field(default=None, repr=False)
 
@@ -162,6 +219,12 @@ class ChunkPlan:
                 self._ranges = chunk_row_ranges(*args)
             else:
                 self._ranges = row_ranges_torch(*args)
+            if self.runs is not None:  # rows between the runs are not computed here: empty ranges
+                keep = torch.zeros(self._ranges.shape[1], dtype=torch.bool)
+                for a, b in self.runs:
+                    keep[a - self.first : b - self.first] = True
+                keep = to_device(keep, self._ranges.device)
+                self._ranges[1] = torch.where(keep, self._ranges[1], self._ranges[0])
         return self._ranges
 
     @property
@@ -175,26 +238,29 @@ class ChunkPlan:
 
 
 def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, *,
-                cache: bool = True) -> ChunkPlan:  # fmt: skip
-    """The :class:`ChunkPlan` of rows ``[lo_row, hi_row)`` of ``seq`` in chunks of ``C``
-    rows (host arithmetic on the document boundaries only, one copy to ``device``).
+                runs: tuple[tuple[int, int], ...] | None = None, cache: bool = True) -> ChunkPlan:  # fmt: skip
+    """The :class:`ChunkPlan` of real rows ``[lo_row, hi_row)`` of ``seq`` in chunks of
+    ``C`` rows (host arithmetic on the document boundaries only, one copy to ``device``).
 
+    ``runs``: the ``(lo, hi)`` runs of the rows computed here when not all of
+    ``[lo_row, hi_row)`` are (a :class:`Span`'s); the others get empty pool ranges.
     ``cache``: take it from (or put it in) ``seq``'s :class:`TableCache`. Without complete
     pools the plan has no chunks (nothing is scored).
     """
 
     def build() -> ChunkPlan:
-        return _build(seq, kpool, C, lo_row, hi_row, device)
+        return _build(seq, kpool, C, lo_row, hi_row, device, runs)
 
     if not cache:
         return build()
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     # the boundaries by value too: an in-place change of seq.cu_seq_lens is another plan
-    key = (tuple(seq.cu_seq_lens.tolist()), seq.prompt_lens, kpool, C, lo_row, hi_row, device, stream)
+    key = (tuple(seq.cu_seq_lens.tolist()), seq.padding_docs, seq.prompt_lens, kpool, C, lo_row, hi_row, runs,
+           device, stream)  # fmt: skip
     return seq.tables.get(key, build)
 
 
-def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device) -> ChunkPlan:
+def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, runs=None) -> ChunkPlan:
     K = kpool
     cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
     offs = [0]
@@ -224,7 +290,7 @@ def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.devi
     extend = flat[3 * n - 1 + nb :] != 0 if ext is not None else None
     pid = torch.arange(P, device=device)
     pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
-    return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds, extend)
+    return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds, extend, runs=runs)
 
 
 def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:

@@ -1,27 +1,37 @@
-"""``ShardedSequence``: which query rows of a packed sequence this rank owns.
+"""``ShardedSequence``: which rows of a packed sequence this rank owns, in which layout.
 
-A frozen value object built by pure functions: no communication happens here.
+A frozen value object built by pure functions: no communication happens here, except in
+:meth:`ShardedSequence.from_positions`, which all-gathers every rank's positions once.
 
-Picture (world size 3, documents of lengths 5 and 3, ``kpool`` 4)::
+Picture (world size 3, documents of lengths 5 and 3, ``kpool`` 4, ``layout="contiguous"``)::
 
-    global tokens   0 1 2 3 4 | 5 6 7 | 8           cu_seq_lens = [0, 5, 8, 9]
+    stream tokens   0 1 2 3 4 | 5 6 7 | 8           cu_seq_lens = [0, 5, 8, 9]
                     doc 0       doc 1   padding     (padding doc appended: 8 -> 9)
-    shards          [0 1 2] [3 4 5] [6 7 8]         shard_size = 3
+    shards          [0 1 2] [3 4 5] [6 7 8]         3 rows per rank
     pools (doc 0)   [0 1 2 3] 4                     pool 0 straddles the seam 2|3
 
-The global length is padded up to a multiple of ``world_size``; the padding is its own
-document at the end of ``cu_seq_lens`` so it can never mix with real documents. Rows of
-the padding document return all ``-1``.
+The **stream** is the user's documents with the padding documents the layout adds (each
+its own document in ``cu_seq_lens``, so padding never mixes with real documents); the
+layouts are listed in :mod:`sp_kpool.layouts`. ``positions`` are the stream positions of
+this rank's rows in storage order: input rows and output rows follow them, and output ids
+are stream positions. Rows of padding documents return all ``-1``.
+
+Inside, the operator works on the **real rows**: the real documents packed without
+padding (what a world-size-1 contiguous call on the same documents sees). Every table
+below maps between the two.
 """
 
 from __future__ import annotations
 
+import functools
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from .checks import check_int
+from .checks import check_choice, check_int
+from .layouts import LAYOUTS, stream_layout
 
 __all__ = ["ShardedSequence"]
 
@@ -81,43 +91,101 @@ def _as_prompt_lens(prompt_lens: Any, cu: torch.Tensor) -> tuple[int, ...] | Non
     return tuple(values)
 
 
+def _as_positions(name: str, positions: Any, total: int) -> torch.Tensor:
+    """``positions`` as a 1-D int64 CPU tensor of distinct values in ``[0, total)``."""
+    if isinstance(positions, torch.Tensor):
+        if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer tensor, got dtype {positions.dtype}")
+        pos = positions.detach().to("cpu", torch.int64)
+    else:
+        try:
+            values = list(positions)
+        except TypeError:
+            raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got {type(positions).__name__}"
+                            ) from None  # fmt: skip
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected integers, got {v!r} of type {type(v).__name__}")
+        pos = torch.tensor(values, dtype=torch.int64)
+    if pos.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(pos.shape)}")
+    bad = (pos < 0) | (pos >= total)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(f"{name}: expected stream positions in [0, {total}), got {int(pos[i])} at index {i}")
+    return pos
+
+
+def _check_cover(rank_positions: Sequence[torch.Tensor], total: int) -> None:
+    """Every stream position in exactly one rank's positions (``ValueError`` naming the first
+    missing or repeated one)."""
+    counts = torch.zeros(total, dtype=torch.int64)
+    for p in rank_positions:
+        counts.index_add_(0, p, torch.ones_like(p))
+    if bool((counts > 1).any()):
+        t = int(torch.nonzero(counts > 1)[0])
+        ranks = [r for r, p in enumerate(rank_positions) if bool((p == t).any())]
+        raise ValueError(f"positions: stream position {t} is owned more than once (ranks {ranks})")
+    if bool((counts == 0).any()):
+        t = int(torch.nonzero(counts == 0)[0])
+        raise ValueError(f"positions: stream position {t} of [0, {total}) is owned by no rank "
+                         f"({int((counts == 0).sum())} missing)")  # fmt: skip
+
+
 @dataclass(frozen=True, eq=False)
 class ShardedSequence:
-    """A packed sequence split into equal contiguous query shards, one per rank.
+    """A packed sequence and the rows of it that this rank owns.
 
     Attributes:
-        cu_seq_lens: ``[num_docs + 1]``, int64, CPU. Global document boundaries, padded:
-            when the real length is not a multiple of ``world_size`` the last entry is a
-            padding document of ``num_padding`` tokens.
-        shard_start: global id of this rank's first query row.
-        shard_size: number of query rows each rank owns (``S_local``), equal on all ranks.
+        cu_seq_lens: ``[num_docs + 1]``, int64, CPU. Document boundaries of the stream:
+            the user's documents and the padding documents the layout added.
+        shard_start: ``layout="contiguous"``: the stream position of this rank's first row
+            (rows ``[shard_start, shard_start + shard_size)``); ``None`` in other layouts.
+        shard_size: number of rows this rank owns (``S_local``; equal on every rank except
+            with :meth:`from_positions`).
         rank, world_size: this rank and the number of ranks.
         group: the ``torch.distributed`` process group (``None`` means the default group
             when ``world_size > 1``, and no communication at all when ``world_size == 1``).
-        num_padding: padding tokens at the end (``0 <= num_padding < world_size``).
+        num_padding: padding tokens in the stream.
         prompt_lens: the prompt length of every real document (a tuple of ints,
             ``0 <= P_d <= len_d``), or ``None``: the serving arithmetics then compress the
             pools closed inside the prompt in the extend order, the others in the decode
             order, as a single-turn rollout's prefill and decoding did
             (:func:`sp_kpool.pooling.extend_pools`); ``None`` (or all zero): every pool in
             decode order. The ``bf16`` model arithmetic has one order and ignores it.
+        layout: ``"contiguous"``, ``"zigzag"``, ``"zigzag-per-document"`` or
+            ``"positions"`` (see :mod:`sp_kpool.layouts`).
+        padding_docs: indices of the padding documents in ``cu_seq_lens`` (``None``: the
+            last document when ``num_padding > 0``, else none).
+        rank_positions: per rank, int64 CPU ``[S_r]``, the stream positions of its rows in
+            storage order (``None``: the contiguous shards).
         tables: the pipeline's tables for this sequence (:class:`sp_kpool.plan.TableCache`):
             every layer called with this object after the first reuses them.
     """
 
     cu_seq_lens: torch.Tensor
-    shard_start: int
+    shard_start: int | None
     shard_size: int
     rank: int
     world_size: int
     group: Any = None
     num_padding: int = 0
     prompt_lens: tuple[int, ...] | None = None
+    layout: str = "contiguous"
+    padding_docs: tuple[int, ...] | None = None
+    rank_positions: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     tables: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         from .plan import TableCache
 
+        if self.padding_docs is None:
+            n_docs = self.cu_seq_lens.numel() - 1
+            object.__setattr__(self, "padding_docs", (n_docs - 1,) if self.num_padding else ())
+        if self.rank_positions is None:
+            s = self.shard_size
+            object.__setattr__(self, "rank_positions",
+                               tuple(torch.arange(r * s, (r + 1) * s) for r in range(self.world_size)))  # fmt: skip
         if self.prompt_lens is not None:  # validated and a tuple however the object was built
             object.__setattr__(self, "prompt_lens", _as_prompt_lens(self.prompt_lens, self.real_cu_seq_lens))
         object.__setattr__(self, "tables", TableCache())
@@ -127,13 +195,15 @@ class ShardedSequence:
     def split(
         cls,
         cu_seq_lens: torch.Tensor | Sequence[int],
-        *,
         world_size: int,
         rank: int,
         group: Any = None,
+        *,
+        layout: str = "contiguous",
+        pad_multiple: int | None = None,
         prompt_lens: Sequence[int] | None = None,
     ) -> "ShardedSequence":
-        """Split the packed sequence ``cu_seq_lens`` into ``world_size`` equal shards.
+        """Lay the packed sequence ``cu_seq_lens`` out over ``world_size`` ranks.
 
         Args:
             cu_seq_lens: ``[num_docs + 1]`` integer tensor or list, starting at 0,
@@ -141,6 +211,11 @@ class ShardedSequence:
             world_size: number of ranks, >= 1.
             rank: this rank, in ``[0, world_size)``.
             group: process group used by collectives (not queried here).
+            layout: ``"contiguous"`` (equal shards, the total padded at the end to a
+                multiple of ``world_size``), ``"zigzag"`` or ``"zigzag-per-document"``
+                (see :mod:`sp_kpool.layouts`).
+            pad_multiple: ``"zigzag-per-document"`` only: pad every document to a multiple
+                of this (a multiple of ``2 * world_size``) instead of ``2 * world_size``.
             prompt_lens: one prompt length per document of ``cu_seq_lens``
                 (``0 <= P_d <= len_d``), or ``None`` (see the attribute). Every rank must
                 pass the same values (checked by the operator's agreement).
@@ -151,61 +226,223 @@ class ShardedSequence:
         check_int("rank", rank)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+        check_choice("layout", layout, LAYOUTS)
         cu = _as_cu_seq_lens(cu_seq_lens)
-        total = int(cu[-1])
-        padded = -(-total // world_size) * world_size
-        num_padding = padded - total
-        if num_padding:
-            cu = torch.cat([cu, cu.new_tensor([padded])])
-        shard_size = padded // world_size
+        lay = stream_layout(cu, world_size, layout, pad_multiple)
+        stream = lay.cu_seq_lens
+        num_padding = int(sum(int(stream[d + 1] - stream[d]) for d in lay.padding_docs))
+        size = lay.positions[rank].numel()
+        contiguous = layout == "contiguous"
         return cls(
-            cu_seq_lens=cu,
-            shard_start=rank * shard_size,
-            shard_size=shard_size,
+            cu_seq_lens=stream,
+            shard_start=rank * size if contiguous else None,
+            shard_size=size,
             rank=rank,
             world_size=world_size,
             group=group,
             num_padding=num_padding,
             prompt_lens=prompt_lens,
+            layout=layout,
+            padding_docs=lay.padding_docs,
+            rank_positions=None if contiguous else lay.positions,
         )
 
     @classmethod
     def from_group(cls, cu_seq_lens: torch.Tensor | Sequence[int], group: Any = None,
-                   prompt_lens: Sequence[int] | None = None) -> "ShardedSequence":  # fmt: skip
+                   prompt_lens: Sequence[int] | None = None, *, layout: str = "contiguous",
+                   pad_multiple: int | None = None) -> "ShardedSequence":  # fmt: skip
         """Like :meth:`split`, with rank and world size read from ``group``.
 
         Without an initialized default process group this is world size 1, rank 0.
         """
-        import torch.distributed as dist
+        world_size, rank = _group_rank(group)
+        return cls.split(cu_seq_lens, world_size, rank, group, layout=layout, pad_multiple=pad_multiple,
+                         prompt_lens=prompt_lens)  # fmt: skip
 
-        if dist.is_available() and dist.is_initialized():
-            world_size = dist.get_world_size(group)
-            rank = dist.get_rank(group)
-        elif group is not None:
-            raise ValueError("group: a process group was given but torch.distributed is not initialized")
-        else:
-            world_size, rank = 1, 0
-        return cls.split(cu_seq_lens, world_size=world_size, rank=rank, group=group, prompt_lens=prompt_lens)
+    @classmethod
+    def from_positions(
+        cls,
+        cu_seq_lens: torch.Tensor | Sequence[int],
+        positions: torch.Tensor | Sequence[int],
+        *,
+        world_size: int,
+        rank: int,
+        group: Any = None,
+        prompt_lens: Sequence[int] | None = None,
+    ) -> "ShardedSequence":
+        """Any ownership: this rank holds the rows at ``positions`` of ``cu_seq_lens``.
+
+        Args:
+            cu_seq_lens: ``[num_docs + 1]`` document boundaries (as in :meth:`split`); no
+                padding is added, so every position is a real token.
+            positions: ``[S_local]`` integer tensor or list, distinct stream positions in
+                ``[0, cu_seq_lens[-1])``, in this rank's row order. Sizes may differ per
+                rank; the union over the ranks must be exactly the whole sequence.
+            world_size, rank, group: as in :meth:`split`.
+            prompt_lens: as in :meth:`split`.
+
+        With ``world_size > 1`` this all-gathers every rank's positions over ``group``
+        (once; the operator needs them to place the gathered keys) and checks them on
+        every rank alike: a rank's bad input, or a position owned twice or by no rank,
+        raises the same ``ValueError`` on every rank, naming it. :meth:`from_rank_positions`
+        is the same without communication, for callers that know every rank's positions.
+        """
+        check_int("world_size", world_size, 1)
+        check_int("rank", rank)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+        if world_size == 1:
+            return cls.from_rank_positions(cu_seq_lens, [positions], rank=0, group=group, prompt_lens=prompt_lens)
+        from .comm import gather_positions
+
+        error, pos = None, torch.zeros(0, dtype=torch.int64)
+        try:
+            cu = _as_cu_seq_lens(cu_seq_lens)
+            pos = _as_positions("positions", positions, int(cu[-1]))
+        except (TypeError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        everyone = gather_positions(pos, error, world_size=world_size, rank=rank, group=group)
+        return cls.from_rank_positions(cu, everyone, rank=rank, group=group, prompt_lens=prompt_lens)
+
+    @classmethod
+    def from_rank_positions(cls, cu_seq_lens: torch.Tensor | Sequence[int], rank_positions: Sequence[Any], *,
+                            rank: int, group: Any = None,
+                            prompt_lens: Sequence[int] | None = None) -> "ShardedSequence":  # fmt: skip
+        """:meth:`from_positions` given every rank's positions (``rank_positions[r]`` for
+        rank ``r``; the world size is their count), without communication."""
+        cu = _as_cu_seq_lens(cu_seq_lens)
+        total = int(cu[-1])
+        world_size = len(rank_positions)
+        check_int("rank", rank)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+        pos = tuple(_as_positions(f"positions (rank {r})", p, total) for r, p in enumerate(rank_positions))
+        _check_cover(pos, total)
+        return cls(cu_seq_lens=cu, shard_start=None, shard_size=pos[rank].numel(), rank=rank, world_size=world_size,
+                   group=group, prompt_lens=prompt_lens, layout="positions", padding_docs=(),
+                   rank_positions=pos)  # fmt: skip
 
     # ----------------------------------------------------------------- derived
     @property
     def total_length(self) -> int:
-        """Padded global length ``S`` (``world_size * shard_size``)."""
+        """Length ``S`` of the stream (padding included)."""
         return int(self.cu_seq_lens[-1])
 
     @property
     def num_real_tokens(self) -> int:
-        """Global length without the padding document."""
+        """Tokens of the real documents (the stream without its padding)."""
         return self.total_length - self.num_padding
 
     @property
-    def real_cu_seq_lens(self) -> torch.Tensor:
-        """``cu_seq_lens`` without the padding document, int64 CPU."""
-        return self.cu_seq_lens[:-1] if self.num_padding else self.cu_seq_lens
+    def is_contiguous(self) -> bool:
+        """Rank ``r`` owns stream rows ``[r * S_local, (r + 1) * S_local)`` and the padding, if
+        any, is at the end (real rows = stream rows): the layout the fast paths assume."""
+        return self.layout == "contiguous"
 
     @property
-    def shard_end(self) -> int:
-        return self.shard_start + self.shard_size
+    def shard_end(self) -> int | None:
+        return None if self.shard_start is None else self.shard_start + self.shard_size
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[S_local]`` int64 CPU: the stream positions of this rank's rows, storage order."""
+        return self.rank_positions[self.rank]
+
+    @functools.cached_property
+    def real_cu_seq_lens(self) -> torch.Tensor:
+        """``[num_real_docs + 1]`` int64 CPU: the real documents packed without padding."""
+        if not self.padding_docs:
+            return self.cu_seq_lens
+        lens = self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]
+        keep = torch.ones(lens.numel(), dtype=torch.bool)
+        keep[list(self.padding_docs)] = False
+        return torch.cat([lens.new_zeros(1), torch.cumsum(lens[keep], 0)])
+
+    @functools.cached_property
+    def stream_shift(self) -> torch.Tensor | None:
+        """``[num_real_docs]`` int64 CPU: stream position minus real row of each real
+        document's tokens (the padding before it), or ``None`` when all are zero."""
+        if not self.padding_docs or self.padding_docs == (self.cu_seq_lens.numel() - 2,):
+            return None  # no padding, or only at the end
+        n_docs = self.cu_seq_lens.numel() - 1
+        real = [d for d in range(n_docs) if d not in set(self.padding_docs)]
+        return self.cu_seq_lens[real] - self.real_cu_seq_lens[:-1]
+
+    @functools.cached_property
+    def real_of_stream(self) -> torch.Tensor:
+        """``[S]`` int64 CPU: the real row of every stream position (``-1``: padding)."""
+        S = self.total_length
+        out = torch.full((S,), -1, dtype=torch.int64)
+        cu, rcu = self.cu_seq_lens.tolist(), self.real_cu_seq_lens.tolist()
+        pad, i = set(self.padding_docs), 0
+        for d in range(len(cu) - 1):
+            if d in pad:
+                continue
+            out[cu[d] : cu[d + 1]] = torch.arange(rcu[i], rcu[i + 1])
+            i += 1
+        return out
+
+    def stream_ids(self, real_ids: torch.Tensor) -> torch.Tensor:
+        """Stream positions of real rows ``real_ids`` (any shape, any device; ``-1`` kept)."""
+        shift = self.stream_shift
+        if shift is None:
+            return real_ids
+        dev = real_ids.device
+        rcu = self.real_cu_seq_lens[1:].to(dev)
+        ids = real_ids.to(torch.int64)
+        doc = torch.searchsorted(rcu, ids.clamp(min=0), right=True).clamp_(max=shift.numel() - 1)
+        return torch.where(ids >= 0, ids + shift.to(dev)[doc], ids).to(real_ids.dtype)
+
+    @functools.cached_property
+    def _ownership(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Per rank: its real rows sorted (int64 CPU) and the storage index of each."""
+        rows, order = [], []
+        for p in self.rank_positions:
+            real = self.real_of_stream[p]
+            keep = torch.nonzero(real >= 0).flatten()
+            srt = torch.argsort(real[keep])
+            rows.append(real[keep][srt])
+            order.append(keep[srt])
+        return tuple(rows), tuple(order)
+
+    def real_rows(self, rank: int | None = None) -> torch.Tensor:
+        """Real rows owned by ``rank`` (this rank by default), ascending, int64 CPU."""
+        return self._ownership[0][self.rank if rank is None else rank]
+
+    def storage_index(self, rank: int | None = None) -> torch.Tensor:
+        """Storage index of each of :meth:`real_rows`' rows on ``rank``, int64 CPU."""
+        return self._ownership[1][self.rank if rank is None else rank]
+
+    @functools.cached_property
+    def gathered_index(self) -> torch.Tensor:
+        """``[N]`` int64 CPU: for each real row, its row in the concatenation of every rank's
+        rows in rank order (what an all-gather of the ranks' rows returns)."""
+        out = torch.empty(self.num_real_tokens, dtype=torch.int64)
+        base = 0
+        for r, p in enumerate(self.rank_positions):
+            out[self.real_rows(r)] = base + self.storage_index(r)
+            base += p.numel()
+        return out
+
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """This rank's real rows as maximal ``(lo, hi)`` runs, ascending."""
+        rows = self.real_rows()
+        if rows.numel() == 0:
+            return ()
+        cut = torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1
+        starts = torch.cat([rows.new_zeros(1), cut]).tolist()
+        ends = torch.cat([cut, rows.new_tensor([rows.numel()])]).tolist()
+        r = rows.tolist()
+        return tuple((r[a], r[b - 1] + 1) for a, b in zip(starts, ends))
+
+    @functools.cached_property
+    def layout_crc(self) -> int:
+        """CRC-32 of every rank's positions (equal on ranks that agree on the layout)."""
+        crc = 0
+        for p in self.rank_positions:
+            crc = zlib.crc32(p.numpy().tobytes(), zlib.crc32(str(p.numel()).encode(), crc))
+        return crc
 
     @property
     def has_prompts(self) -> bool:
@@ -214,8 +451,20 @@ class ShardedSequence:
 
     def __repr__(self) -> str:  # tensors make the default repr noisy
         prompts = "" if self.prompt_lens is None else f", prompt_lens={list(self.prompt_lens)}"
+        rows = (f"shard=[{self.shard_start}, {self.shard_end})" if self.is_contiguous
+                else f"layout={self.layout!r}, rows={self.shard_size}")  # fmt: skip
         return (
             f"ShardedSequence(num_docs={self.cu_seq_lens.numel() - 1}, total={self.total_length}, "
-            f"num_padding={self.num_padding}, rank={self.rank}/{self.world_size}, "
-            f"shard=[{self.shard_start}, {self.shard_end}){prompts})"
+            f"num_padding={self.num_padding}, rank={self.rank}/{self.world_size}, {rows}{prompts})"
         )
+
+
+def _group_rank(group: Any) -> tuple[int, int]:
+    """``(world_size, rank)`` of ``group``; ``(1, 0)`` without torch.distributed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    if group is not None:
+        raise ValueError("group: a process group was given but torch.distributed is not initialized")
+    return 1, 0

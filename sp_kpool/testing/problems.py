@@ -8,7 +8,8 @@ import torch
 
 from ..sharding import ShardedSequence
 
-__all__ = ["GlobalInputs", "make_inputs", "shard_inputs", "random_doc_lengths"]
+__all__ = ["GlobalInputs", "make_inputs", "shard_inputs", "layout_seqs", "simulate_ranks", "to_document_positions",
+           "random_doc_lengths"]
 
 
 @dataclass
@@ -58,14 +59,14 @@ def make_inputs(
 
 
 def shard_inputs(x: GlobalInputs, seq: ShardedSequence, device="cpu") -> dict[str, torch.Tensor]:
-    """This rank's rows (zero rows for padding) as ``kpool_topk`` keyword arguments."""
-    a, b = seq.shard_start, seq.shard_end
+    """This rank's rows, at ``seq.positions`` of the stream (zero rows for padding), as
+    ``kpool_topk`` keyword arguments."""
+    real = seq.real_of_stream[seq.positions]
+    keep = real >= 0
 
     def rows(t):
         out = t.new_zeros((seq.shard_size, *t.shape[1:]))
-        hi = min(b, t.shape[0])
-        if hi > a:
-            out[: hi - a] = t[a:hi]
+        out[keep] = t[real[keep]]
         return out.to(device)
 
     return {
@@ -77,26 +78,50 @@ def shard_inputs(x: GlobalInputs, seq: ShardedSequence, device="cpu") -> dict[st
     }
 
 
+def layout_seqs(cu_seq_lens, world_size: int, layout: str = "contiguous", pad_multiple: int | None = None,
+                rank_positions=None) -> list[ShardedSequence]:  # fmt: skip
+    """Every rank's ``ShardedSequence`` of a layout (``rank_positions``: the ``positions``
+    layout with these positions per rank)."""
+    if rank_positions is not None:
+        return [ShardedSequence.from_rank_positions(cu_seq_lens, rank_positions, rank=r) for r in range(world_size)]
+    return [ShardedSequence.split(cu_seq_lens, world_size, r, layout=layout, pad_multiple=pad_multiple)
+            for r in range(world_size)]  # fmt: skip
+
+
 def simulate_ranks(x: GlobalInputs, world_size: int, *, topk: int, kpool: int, backend: str = "torch",
-                   settings=None, **options):  # fmt: skip
+                   settings=None, seqs: list[ShardedSequence] | None = None, **options):  # fmt: skip
     """Every rank's output of a ``world_size`` split, computed in this one process.
 
-    The all-gather is replaced by concatenating the ranks' padded shards (exactly what
-    the collective returns); everything after it is the real code path
-    (:func:`sp_kpool.pipeline.run_gathered`). ``options``: the other fields of
-    :class:`~sp_kpool.config.KPoolConfig` (tail, order, alignment, precision,
+    The all-gather is replaced by concatenating the ranks' rows (exactly what the
+    collective returns); everything after it is the real code path
+    (:func:`sp_kpool.pipeline.run_gathered`). ``seqs``: every rank's sequence of another
+    layout (:func:`layout_seqs`; default the contiguous split). ``options``: the other
+    fields of :class:`~sp_kpool.config.KPoolConfig` (tail, order, alignment, precision,
     max_logits_bytes). Returns the outputs by rank, each ``[S_local, W]`` int32.
     """
     from ..config import KPoolConfig, RunOptions
     from ..pipeline import run_gathered
 
-    seqs = [ShardedSequence.split(x.cu_seq_lens, world_size=world_size, rank=r) for r in range(world_size)]
+    if seqs is None:
+        seqs = layout_seqs(x.cu_seq_lens, world_size)
     local = [shard_inputs(x, s) for s in seqs]
     k_all = torch.cat([d["k"] for d in local])
     gates_all = torch.cat([d["gates"] for d in local])
     config = KPoolConfig(topk=topk, kpool=kpool, **options)
     return [run_gathered({**d, "k": k_all, "gates": gates_all}, s, config, RunOptions(backend=backend), settings).ids
             for s, d in zip(seqs, local)]  # fmt: skip
+
+
+def to_document_positions(ids: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
+    """``ids`` (stream positions, ``-1`` kept) as real rows: what they are in a world-size-1
+    contiguous call on the same real documents."""
+    real = seq.real_of_stream
+    out = ids.to(torch.int64).clone()
+    valid = out >= 0
+    out[valid] = real[out[valid]]
+    if bool((out[valid] < 0).any()):
+        raise AssertionError("an id points at a padding token")
+    return out.to(ids.dtype)
 
 
 def reference_slice_problem(heads: int, precision: str = "bf16", *, total: int = 131072, seed: int = 0,
