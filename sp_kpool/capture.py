@@ -14,12 +14,15 @@ One file per rank and captured call::
     q_resid         [S_local, q_lora_rank]      as given    this rank's rows
     cu_seq_lens     [num_docs + 1]              int64       global, padded (``ShardedSequence.cu_seq_lens``)
     prompt_lens     [num_real_docs]             int64       ``ShardedSequence.prompt_lens``, when the call had them
+    layout.positions [S]                        int64       every rank's ``positions``, rank after rank, and
+    layout.counts   [world_size]                int64       their counts, and the padding documents
+    layout.padding_docs [n]                     int64       (layouts other than the contiguous split only)
     ids             [S_local, W]                int32       what the live call returned
     param.<name>    checkpoint shapes           as stored   the seven indexer tensors (``wq_b.weight``, ...)
 
-    metadata (str -> str): format ``sp_kpool.capture/1``, rank, world_size, shard_start,
-    shard_size, num_padding, topk, kpool, heads, tail, order, alignment, max_logits_bytes
-    (resolved), precision, backend (requested) and backend_resolved, device, autocast
+    metadata (str -> str): format ``sp_kpool.capture/1``, rank, world_size, shard_start
+    (``-1`` unless the layout is contiguous), shard_size, num_padding, layout, topk, kpool,
+    heads, tail, order, alignment, max_logits_bytes (resolved), precision, backend (requested) and backend_resolved, device, autocast
     (``off`` or the dtype), tag, call, source, versions, ``head_gate`` (``fp32``), ``config``
     and ``options`` (JSON:
     the resolved :class:`~sp_kpool.config.KPoolConfig` and the
@@ -163,6 +166,10 @@ def write_capture(
     }
     if seq.prompt_lens is not None:
         tensors["prompt_lens"] = torch.tensor(seq.prompt_lens, dtype=torch.int64)
+    if not seq.is_contiguous:  # the ownership: every rank's positions and the padding documents
+        tensors["layout.positions"] = torch.cat(list(seq.rank_positions)).to(torch.int64)
+        tensors["layout.counts"] = torch.tensor([p.numel() for p in seq.rank_positions], dtype=torch.int64)
+        tensors["layout.padding_docs"] = torch.tensor(seq.padding_docs, dtype=torch.int64)
     from . import __version__
 
     full = {
@@ -171,9 +178,10 @@ def write_capture(
         "torch": torch.__version__,
         "rank": seq.rank,
         "world_size": seq.world_size,
-        "shard_start": seq.shard_start,
+        "shard_start": seq.shard_start if seq.shard_start is not None else -1,
         "shard_size": seq.shard_size,
         "num_padding": seq.num_padding,
+        "layout": seq.layout,
         **meta,
         "crc32": json.dumps({k: _crc32(v) for k, v in tensors.items()}, sort_keys=True),
     }
@@ -284,6 +292,9 @@ class Capture:
     #: ``[num_real_docs]`` int64, or ``None``: a call without a compression schedule, or a
     #: capture written before schedules were recorded (replayed as all decode order).
     prompt_lens: torch.Tensor | None = None
+    #: ``layout.positions`` / ``layout.counts`` / ``layout.padding_docs`` of a layout other
+    #: than the contiguous split (``None`` for it, and in captures from before layouts).
+    layout: dict[str, torch.Tensor] | None = None
 
     @property
     def rank(self) -> int:
@@ -297,8 +308,10 @@ class Capture:
         """The call's ``ShardedSequence`` (no process group), rebuilt and checked."""
         from .sharding import ShardedSequence
 
-        cu = self.cu_seq_lens[:-1] if self.meta["num_padding"] else self.cu_seq_lens
         prompts = self.prompt_lens.tolist() if self.prompt_lens is not None else None
+        if self.layout is not None:
+            return self._layout_seq(prompts)
+        cu = self.cu_seq_lens[:-1] if self.meta["num_padding"] else self.cu_seq_lens
         try:
             seq = ShardedSequence.split(cu, world_size=self.world_size, rank=self.rank, prompt_lens=prompts)
         except (TypeError, ValueError) as exc:
@@ -310,6 +323,28 @@ class Capture:
                 f"{self.path}: sharding metadata (shard_start, shard_size, num_padding) = {want} does not "
                 f"match the split of its cu_seq_lens over {self.world_size} ranks {got}"
             )
+        return seq
+
+    def _layout_seq(self, prompts):
+        from .sharding import ShardedSequence, _check_cover
+
+        lay, m = self.layout, self.meta
+        counts = lay["layout.counts"].tolist()
+        positions = tuple(torch.split(lay["layout.positions"], counts))
+        try:
+            _check_cover(positions, int(self.cu_seq_lens[-1]))
+            seq = ShardedSequence(
+                cu_seq_lens=self.cu_seq_lens, shard_start=None, shard_size=m["shard_size"], rank=self.rank,
+                world_size=self.world_size, num_padding=m["num_padding"], prompt_lens=prompts, layout=m["layout"],
+                padding_docs=tuple(lay["layout.padding_docs"].tolist()), rank_positions=positions,
+            )  # fmt: skip
+        except (TypeError, ValueError) as exc:
+            raise CaptureError(f"{self.path}: its layout does not fit its documents ({exc})") from None
+        pad = sum(int(self.cu_seq_lens[d + 1] - self.cu_seq_lens[d]) for d in seq.padding_docs)
+        if len(counts) != self.world_size or counts[self.rank] != m["shard_size"] or pad != m["num_padding"]:
+            raise CaptureError(f"{self.path}: layout metadata (rows per rank {counts}, padding {pad}) does not match "
+                               f"rank {self.rank} of {self.world_size} with {m['shard_size']} rows and "
+                               f"{m['num_padding']} padding tokens")  # fmt: skip
         return seq
 
     def config(self):
@@ -374,7 +409,8 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
             want = {*_DATA, *(f"param.{n}" for n in PARAM_NAMES)}
             if want - names:
                 raise _fail(path, f"missing tensors {sorted(want - names)}")
-            tensors = {n: fh.get_tensor(n) for n in sorted(want | ({"prompt_lens"} & names))}
+            optional = {"prompt_lens", "layout.positions", "layout.counts", "layout.padding_docs"}
+            tensors = {n: fh.get_tensor(n) for n in sorted(want | (optional & names))}
     except CaptureError:
         raise
     except Exception as exc:  # safetensors raises its own error type (and OSError, ...)
@@ -391,6 +427,7 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
             raise _fail(path, f"metadata {k!r}: expected an integer, got {raw_meta[k]!r}") from None
     for k in _STR_META:
         meta[k] = raw_meta[k]
+    meta["layout"] = raw_meta.get("layout", "contiguous")  # captures from before layouts
     for k in ("sp_kpool", "torch"):
         meta[k] = raw_meta.get(k, "?")
     # captures from before the FP32 head gate rounded it to the parameter dtype
@@ -421,6 +458,7 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
         path=path, meta=meta, hidden=tensors["hidden"], q_resid=tensors["q_resid"],
         cu_seq_lens=tensors["cu_seq_lens"], ids=tensors["ids"],
         params={n: tensors[f"param.{n}"] for n in PARAM_NAMES}, crc32=crc, prompt_lens=tensors.get("prompt_lens"),
+        layout={k: v for k, v in tensors.items() if k.startswith("layout.")} or None,
     )  # fmt: skip
     _check_shapes(cap)
     return cap
@@ -444,7 +482,14 @@ def _check_shapes(c: Capture) -> None:
     cu = c.cu_seq_lens
     need(cu.dtype == torch.int64 and cu.dim() == 1 and cu.numel() >= 2, f"cu_seq_lens: expected 1-D int64, got {cu.dtype} {list(cu.shape)}")
     S_loc, H, K = m["shard_size"], m["heads"], m["kpool"]
-    need(int(cu[-1]) == S_loc * m["world_size"], f"cu_seq_lens ends at {int(cu[-1])}, expected shard_size * world_size = {S_loc * m['world_size']}")
+    if c.layout is None:
+        need(m["layout"] == "contiguous", f"layout {m['layout']!r} without its positions (tensors 'layout.*')")
+        need(int(cu[-1]) == S_loc * m["world_size"], f"cu_seq_lens ends at {int(cu[-1])}, expected shard_size * world_size = {S_loc * m['world_size']}")
+    else:
+        need(set(c.layout) == {"layout.positions", "layout.counts", "layout.padding_docs"}, f"layout tensors: expected positions, counts and padding_docs, got {sorted(c.layout)}")
+        counts = c.layout["layout.counts"]
+        need(counts.numel() == m["world_size"] and int(counts.sum()) == int(cu[-1]) == c.layout["layout.positions"].numel(),
+             f"layout: {counts.tolist()} rows per rank do not cover the {int(cu[-1])} stream positions")  # fmt: skip
     wq, wk = p["wq_b.weight"], p["wk.weight"]
     need(wk.dim() == 2 and wq.dim() == 2, f"param wk.weight / wq_b.weight: expected 2-D, got {list(wk.shape)} / {list(wq.shape)}")
     D, hidden = wk.shape
@@ -495,7 +540,7 @@ def load_capture_set(path: str | os.PathLike, *, verify: bool = True) -> tuple[C
                 f"(replay stitches every rank's rows), but {other} does not exist",
             )
         caps.append(load_capture(other, verify=verify))
-    same = ("world_size", "shard_size", "num_padding", "topk", "kpool", "heads", "tail", "order", "alignment",
+    same = ("world_size", "num_padding", "layout", "topk", "kpool", "heads", "tail", "order", "alignment",
             "max_logits_bytes", "precision", "tag", "call")  # fmt: skip
     for c in caps:
         if c.rank != caps.index(c):
@@ -503,6 +548,11 @@ def load_capture_set(path: str | os.PathLike, *, verify: bool = True) -> tuple[C
         diff = [f"{k}: {c.meta[k]!r} vs {cap.meta[k]!r}" for k in same if c.meta[k] != cap.meta[k]]
         if not torch.equal(c.cu_seq_lens, cap.cu_seq_lens):
             diff.append("cu_seq_lens differ")
+        if c.layout is None and c.meta["shard_size"] != cap.meta["shard_size"]:
+            diff.append(f"shard_size: {c.meta['shard_size']} vs {cap.meta['shard_size']}")
+        if (c.layout is None) != (cap.layout is None) or (c.layout is not None and any(
+                not torch.equal(v, cap.layout[k]) for k, v in c.layout.items())):  # fmt: skip
+            diff.append("layouts differ")
         if (c.prompt_lens is None) != (cap.prompt_lens is None) or (
                 c.prompt_lens is not None and not torch.equal(c.prompt_lens, cap.prompt_lens)):  # fmt: skip
             diff.append("prompt_lens differ")

@@ -57,7 +57,7 @@ from .comm import CommStats, agree_or_raise, gather_keys, real_order, take_rows
 from .config import KPoolConfig, RunOptions, split_keywords
 from .layouts import LAYOUTS
 from .plan import ChunkPlan, Span, plan_chunks, row_spans
-from .pool_gather import gather_pools, pool_shards
+from .pool_gather import gather_pools, pool_owners, pool_shards
 from .pooling import pool_table
 from .scoring import select_chunks
 from .selection import assemble, row_meta
@@ -251,13 +251,16 @@ def run(q, k, gates, head_weights, ape, seq, config: KPoolConfig | None = None, 
 class Computed:
     """What stages 3-8 produced on this rank: the output ``ids [S_local, width]`` int32, and
     for inspection (the parity replay) the pools, the prepared query rows and the plan of
-    the rows scored here (``pools``/``queries`` ``None`` when nothing was scored)."""
+    the rows scored here (``pools``/``queries`` ``None`` when nothing was scored; with
+    several spans, the last one's, and all of them in ``spans``)."""
 
     ids: torch.Tensor
     call: Call
     pools: Pools | None
     queries: Queries | None
     plan: ChunkPlan
+    #: every span's ``(plan, queries)`` in row order (one unless the layout interleaves)
+    spans: list = dataclasses.field(default_factory=list)
 
 
 def _compute(call: Call, pooled: Pools | None) -> Computed:
@@ -276,7 +279,7 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
         q_rows, w_rows = take_rows(q, seq.storage_index()), take_rows(head_weights, seq.storage_index())
         spans = row_spans(seq.runs, C, seq.real_rows())
     k_sel = problem.topk // problem.kpool
-    pools, queries, parts, offset = pooled, None, [], 0
+    pools, queries, parts, offset, done = pooled, None, [], 0, []
     for span in spans or [Span(0, 0)]:
         plan = plan_chunks(seq, problem.kpool, C, span.lo, span.hi, device, runs=span.runs,
                            cache=problem.settings.table_cache)  # 4. plan  # fmt: skip
@@ -284,6 +287,7 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
         if not plan.chunks:  # no rows scored here, or no complete pool at all
             parts.append(torch.full((n, k_sel), -1, dtype=torch.int32, device=device))
             offset += n
+            done.append((plan, None))
             continue
         with stage(problem, "pool"):  # 5. pool and prepare
             pool_in = None if pools is not None else PoolInputs(problem.k, problem.gates, plan.pool_tok_start,
@@ -294,6 +298,7 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
         selected = select_chunks(backend, problem, pools, queries, plan)  # 6. score and select
         parts.append(span.pick(selected))
         offset += n
+        done.append((plan, queries))
     selected = parts[0] if len(parts) == 1 else torch.cat(parts)
     if call.balanced:  # 7. route back
         with stage(problem, "balance_route"):
@@ -303,7 +308,7 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     else:
         meta = row_meta(to_device(owned, device), plan.cu, plan.offs, problem.kpool)
     ids = _expand(problem, selected, meta, plan.pool_tok_start)  # 8. expand
-    return Computed(ids, call, pools, queries, plan)
+    return Computed(ids, call, pools, queries, plan, done)
 
 
 def run_gathered(inputs: dict, seq: ShardedSequence, config: KPoolConfig, options: RunOptions | None = None,
@@ -350,15 +355,26 @@ def _expand(problem: Problem, selected: torch.Tensor, meta, pool_tok_start: torc
     return out
 
 
+def _pools_built(seq: ShardedSequence, pts: torch.Tensor, kpool: int) -> int:
+    """Pools this rank builds with ``gather="pools"``."""
+    if seq.is_contiguous:
+        return pool_shards(pts, shard_size=seq.shard_size, world_size=seq.world_size, kpool=kpool).counts[seq.rank]
+    return pool_owners(pts, seq, kpool).counts[seq.rank]
+
+
 def _fill_stats(stats: dict, call: Call) -> None:
     problem, options, part = call.problem, call.options, call.partition
     seq, kpool = problem.seq, problem.kpool
     n = seq.num_real_tokens
+    pairs = row_work_prefix(seq.real_cu_seq_lens, kpool, row_cost=0)
     if call.balanced:
         lo, hi = part.bounds[seq.rank], part.bounds[seq.rank + 1]
+        scored, causal = (lo, hi), int(pairs[hi] - pairs[lo])
     else:
-        lo, hi = min(seq.shard_start, n), min(seq.shard_end, n)
-    pairs = row_work_prefix(seq.real_cu_seq_lens, kpool, row_cost=0)
+        scored = [list(r) for r in seq.runs]
+        causal = sum(int(pairs[b] - pairs[a]) for a, b in seq.runs)
+        if seq.is_contiguous:
+            scored = tuple(scored[0]) if scored else (min(seq.shard_start, n),) * 2
     pts = pool_table(seq.real_cu_seq_lens, kpool)[0]
     stats.update(
         gather=options.gather,
@@ -367,11 +383,8 @@ def _fill_stats(stats: dict, call: Call) -> None:
         bytes=call.counter.as_dict(),
         time_s=dict(problem.stage_times),
         partition=part.as_dict() if part is not None else None,
-        rows_scored=(lo, hi),
-        causal_pairs=int(pairs[hi] - pairs[lo]),
+        rows_scored=scored,
+        causal_pairs=causal,
         pools=int(pts.numel()),
-        pools_built=(
-            pool_shards(pts, shard_size=seq.shard_size, world_size=seq.world_size, kpool=kpool).counts[seq.rank]
-            if options.gather == "pools" else int(pts.numel())
-        ),
+        pools_built=_pools_built(seq, pts, kpool) if options.gather == "pools" else int(pts.numel()),
     )  # fmt: skip

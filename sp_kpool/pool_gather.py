@@ -13,10 +13,16 @@ and gates, which come from the rank(s) to the right (point to point). Then the p
     rank 1     builds pool 2;  rank 2 builds none
     all-gather of the pooled rows [2 | 1 | 0 pools] -> pools 0, 1, 2 on every rank
 
+Other layouts (:mod:`sp_kpool.layouts`) follow the same rule: a pool is built by the rank
+that owns its first token, which receives the pool's other tokens from whichever ranks own
+them (:func:`pool_owners`; in the zigzag layouts only the pools that straddle a chunk's
+end), and the gathered pools are put back in pool order.
+
 Pools are bitwise identical to the gather-keys path: every pool is built by the same
 backend call from the same key and gate rows (pooling is independent per pool). Which
 pools a rank builds, and which seam rows it needs, are pure functions of the global
-``cu_seq_lens`` (:func:`pool_shards`), so no sizes are exchanged.
+``cu_seq_lens`` and the layout (:func:`pool_shards`, :func:`pool_owners`), so no sizes
+are exchanged.
 """
 
 from __future__ import annotations
@@ -33,12 +39,13 @@ from .comm import (
     all_gather_uneven_rows,
     exchange_rows,
     pack_rows,
+    take_rows,
     unpack_rows,
 )
 from .pooling import extend_pools
 from .timing import stage
 
-__all__ = ["PoolShards", "pool_shards", "gather_pools"]
+__all__ = ["PoolShards", "pool_shards", "PoolOwners", "pool_owners", "gather_pools"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,92 @@ def pool_shards(pool_tok_start: torch.Tensor, *, shard_size: int, world_size: in
             need = max(end, int(pts[first[r + 1] - 1]) + kpool)
         halo.append((end, need))
     return PoolShards(first=tuple(first), halo=tuple(halo))
+
+
+@dataclass(frozen=True)
+class PoolOwners:
+    """Which pools each rank builds in any layout (the same on every rank).
+
+    pools: per rank, the ids of the pools whose first token it owns (ascending, int64 CPU).
+    tokens: per rank, the real rows those pools read, pool by pool (``K`` each, ascending).
+    """
+
+    pools: tuple[torch.Tensor, ...]
+    tokens: tuple[torch.Tensor, ...]
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(p.numel() for p in self.pools)
+
+
+def pool_owners(pool_tok_start: torch.Tensor, seq, kpool: int) -> PoolOwners:
+    """Split the pool table ``[P]`` (int64 CPU) of ``seq`` by the owner of each pool's
+    first token."""
+    pts = pool_tok_start.cpu()
+    builder = seq.owner_of_real[pts]
+    pools = tuple(torch.nonzero(builder == r).flatten() for r in range(seq.world_size))
+    slots = torch.arange(kpool)
+    tokens = tuple((pts[p][:, None] + slots[None]).flatten() for p in pools)
+    return PoolOwners(pools, tokens)
+
+
+def _halo_rows(problem: Any, owners: PoolOwners, stats: CommStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and gate rows of this rank's pools' tokens, pool by pool: its own rows and
+    those received from their owners; sends the rows other ranks' pools need from it (one
+    ``batch_isend_irecv``)."""
+    seq, device = problem.seq, problem.device
+    me, k, gates = seq.rank, problem.k, problem.gates
+    owner, where = seq.owner_of_real, seq.storage_of_real
+    _, layout = pack_rows([k[:0], gates[:0]])
+    row_bytes = k.shape[1] * k.element_size() + gates.shape[1] * gates.element_size()
+    need = owners.tokens[me]
+    sends, recvs = {}, {}
+    for peer in range(seq.world_size):
+        if peer == me:
+            continue
+        theirs = owners.tokens[peer]
+        mine = theirs[owner[theirs] == me]
+        if mine.numel():
+            idx = where[mine]
+            sends[peer] = pack_rows([take_rows(k, idx), take_rows(gates, idx)])[0]
+        n = int((owner[need] == peer).sum())
+        if n:
+            recvs[peer] = (n, row_bytes)
+    got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="seam")
+    local = owner[need] == me
+    k_ext = k.new_empty((need.numel(), k.shape[1]))
+    g_ext = gates.new_empty((need.numel(), gates.shape[1]))
+    at = torch.nonzero(local).flatten()
+    k_ext.index_copy_(0, to_device(at, device), take_rows(k, where[need[local]]))
+    g_ext.index_copy_(0, to_device(at, device), take_rows(gates, where[need[local]]))
+    for peer, buf in got.items():
+        at = to_device(torch.nonzero(owner[need] == peer).flatten(), device)
+        kp, gp = unpack_rows(buf, layout)
+        k_ext.index_copy_(0, at, kp)
+        g_ext.index_copy_(0, at, gp)
+    return k_ext, g_ext
+
+
+def _gather_pools_any_layout(backend: Any, problem: Any, pool_tok_start: torch.Tensor,
+                             stats: CommStats | None) -> Pools:  # fmt: skip
+    """:func:`gather_pools` for a layout other than the contiguous split."""
+    seq, K = problem.seq, problem.kpool
+    owners = pool_owners(pool_tok_start, seq, K)
+    with stage(problem, "seam"):
+        k_ext, g_ext = _halo_rows(problem, owners, stats)
+    with stage(problem, "pool"):
+        mine = owners.pools[seq.rank]
+        local = torch.arange(mine.numel(), device=problem.device) * K  # pool i's tokens: rows [i K, (i + 1) K)
+        extend = None
+        if seq.has_prompts:
+            ext = extend_pools(seq.real_cu_seq_lens, seq.prompt_lens, K)
+            extend = to_device(ext[mine], problem.device) if bool(ext.any()) else None
+        pooled = _pool_local(backend, problem, k_ext, g_ext, local, extend)
+    with stage(problem, "gather"):
+        buf, layout = pack_rows(pooled.parts())
+        full = all_gather_uneven_rows(buf, owners.counts, seq, stats=stats, tag="gather_pools")
+        order = torch.argsort(torch.cat(owners.pools))  # rank order -> pool order
+        return Pools.from_parts(unpack_rows(full.index_select(0, to_device(order, full.device)), layout))
 
 
 def _seam_rows(problem: Any, shards: PoolShards, stats: CommStats | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +234,8 @@ def gather_pools(
     seq = problem.seq
     if pool_tok_start.numel() == 0:
         return None
+    if not seq.is_contiguous:
+        return _gather_pools_any_layout(backend, problem, pool_tok_start, stats)
     R, me, ss = seq.world_size, seq.rank, seq.shard_size
     shards = pool_shards(pool_tok_start, shard_size=ss, world_size=R, kpool=problem.kpool)
     with stage(problem, "seam"):

@@ -393,6 +393,20 @@ class ShardedSequence:
         doc = torch.searchsorted(rcu, ids.clamp(min=0), right=True).clamp_(max=shift.numel() - 1)
         return torch.where(ids >= 0, ids + shift.to(dev)[doc], ids).to(real_ids.dtype)
 
+    def real_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Real rows of stream positions ``ids`` (any shape, any device; ``-1`` kept): the
+        inverse of :meth:`stream_ids`. ``ValueError`` if an id is a padding position."""
+        if self.stream_shift is None:  # real rows = stream positions; the padding is at the end
+            if ids.numel() and int(ids.max()) >= self.num_real_tokens:
+                raise ValueError("ids: a stream position of a padding token")
+            return ids
+        table = self.real_of_stream.to(ids.device)
+        flat = ids.to(torch.int64)
+        out = torch.where(flat >= 0, table[flat.clamp(min=0)], flat)
+        if bool(((flat >= 0) & (out < 0)).any()):
+            raise ValueError("ids: a stream position of a padding token")
+        return out.to(ids.dtype)
+
     @functools.cached_property
     def _ownership(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Per rank: its real rows sorted (int64 CPU) and the storage index of each."""
@@ -412,6 +426,22 @@ class ShardedSequence:
     def storage_index(self, rank: int | None = None) -> torch.Tensor:
         """Storage index of each of :meth:`real_rows`' rows on ``rank``, int64 CPU."""
         return self._ownership[1][self.rank if rank is None else rank]
+
+    @functools.cached_property
+    def owner_of_real(self) -> torch.Tensor:
+        """``[N]`` int64 CPU: the rank that owns each real row."""
+        out = torch.empty(self.num_real_tokens, dtype=torch.int64)
+        for r in range(self.world_size):
+            out[self.real_rows(r)] = r
+        return out
+
+    @functools.cached_property
+    def storage_of_real(self) -> torch.Tensor:
+        """``[N]`` int64 CPU: each real row's storage index on the rank that owns it."""
+        out = torch.empty(self.num_real_tokens, dtype=torch.int64)
+        for r in range(self.world_size):
+            out[self.real_rows(r)] = self.storage_index(r)
+        return out
 
     @functools.cached_property
     def gathered_index(self) -> torch.Tensor:

@@ -187,7 +187,8 @@ def _absolute_columns(scores: ChunkScores, width: int) -> torch.Tensor:
 
 
 def _valid_scores(r: _ArmRun, repeat: bool, stats: dict):
-    """Yield ``(row_lo, row_hi, values)`` over this shard's rows, chunk by chunk on the arm's
+    """Yield ``(row_lo, row_hi, values)`` over this rank's real rows (and the rows between
+    them, without values, when they are not one range), chunk by chunk on the arm's
     **own** plan, making exactly the scoring calls of the pipeline
     (:func:`sp_kpool.scoring.chunk_calls`, in row order), so the values are the ones its
     selection ranked. ``values`` holds the FP32 scores of the rows' valid causal slots,
@@ -196,10 +197,16 @@ def _valid_scores(r: _ArmRun, repeat: bool, stats: dict):
     ``stats["same"]`` on any bitwise difference."""
     c = r.computed
     dev = c.call.problem.device
-    for call in chunk_calls(c.plan, c.queries, views_first=False):
+    empty = torch.zeros(0, dtype=torch.float32, device=dev)
+    end = None
+    for call in (call for plan, queries in c.spans if queries is not None
+                 for call in chunk_calls(plan, queries, views_first=False)):  # fmt: skip
         a, e, ch = call.a, call.b, call.chunk
+        if end is not None and a > end:  # rows between spans: not this rank's
+            yield end, a, empty
+        end = e
         if call.q is None:
-            yield a, e, torch.zeros(0, dtype=torch.float32, device=dev)
+            yield a, e, empty
             continue
         rows = slice(a - ch.first, e - ch.first)
         cols = torch.arange(ch.pool_hi - ch.pool_lo, device=dev)
@@ -222,10 +229,15 @@ def _score_diffs(runs: dict[str, _ArmRun], seq, offs, n_visible: torch.Tensor, P
     """Both arms' scores on the valid causal slots, each on its own chunk grid, compared
     row range by row range as both become available (memory: about one chunk per arm)."""
     dev = runs["A"].computed.call.problem.device
-    own_lo = seq.shard_start
+    owned = seq.real_rows()  # ascending; n_visible is theirs
     n = n_visible.numel()
-    nv = n_visible.cpu()
-    cum = torch.zeros(n + 1, dtype=torch.int64)
+    own_lo = int(owned[0]) if n else 0
+    span = int(owned[-1]) + 1 - own_lo if n else 0  # the rows [own_lo, own_lo + span) hold them all
+    nv = torch.zeros(span, dtype=torch.int64)
+    nv[owned - own_lo] = n_visible.cpu()
+    at = torch.full((span,), -1, dtype=torch.int64)  # row -> its index among the owned rows
+    at[owned - own_lo] = torch.arange(n)
+    cum = torch.zeros(span + 1, dtype=torch.int64)
     cum[1:] = torch.cumsum(nv, 0)
     stats = {name: {"nan_in_valid_slots": 0, "inf_in_valid_slots": 0, "same": True} for name in runs}
     acc = {"sq_d": 0.0, "sq_b": 0.0, "max_abs": 0.0, "compared": 0, "equal": 0, "zero": 0}
@@ -237,7 +249,7 @@ def _score_diffs(runs: dict[str, _ArmRun], seq, offs, n_visible: torch.Tensor, P
         pend = {name: torch.zeros(0, dtype=torch.float32, device=dev) for name in runs}
         pend_end = {name: own_lo for name in runs}
         done = own_lo
-        while done < own_lo + n:
+        while done < own_lo + span:
             for name in runs:
                 if pend_end[name] <= done:
                     a, e, v = next(gens[name])
@@ -260,11 +272,11 @@ def _score_diffs(runs: dict[str, _ArmRun], seq, offs, n_visible: torch.Tensor, P
             if nz.numel():
                 hist += torch.histc(nz.log10().clamp(lo_e, hi_e - 1e-6), bins=nbins, min=lo_e, max=hi_e).double()
             if cnt:
-                rows = torch.repeat_interleave(torch.arange(done - own_lo, end - own_lo), nv[done - own_lo : end - own_lo])
+                rows = torch.repeat_interleave(at[done - own_lo : end - own_lo], nv[done - own_lo : end - own_lo])
                 per_slot = (va - vb).abs().nan_to_num(nan=math.inf)
                 row_max_abs.scatter_reduce_(0, rows.to(dev), per_slot, "amax")
             done = end
-            say(f"scores: rows {done - own_lo}/{n} ({100 * (done - own_lo) / n:.0f}%)", force=done == own_lo + n)
+            say(f"scores: rows {done - own_lo}/{span} ({100 * (done - own_lo) / span:.0f}%)", force=done == own_lo + span)
     valid_slots = int(cum[-1])
     nb = math.sqrt(acc["sq_b"])
     return {
@@ -375,15 +387,18 @@ def replay(
         say(f"arm {name} = {arm} (backend {r.backend.name}): pools and ids in {time.perf_counter() - t0:.2f} s")
     ra, rb = runs["A"], runs["B"]
 
-    own_lo, own_hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    n = max(0, own_hi - own_lo)
-    rows = torch.arange(own_lo, own_lo + n, device=dev)
+    rows = seq.real_rows().to(dev)  # this rank's real rows, ascending (all rows below are in this order)
+    n = rows.numel()
     meta = row_meta(rows, real_cu, offs, K)
+    local = seq.storage_index().to(dev)
+
+    def real_ids(ids):  # the rows' ids as real rows (stream positions mapped back)
+        return seq.real_ids(ids)[local]
 
     diff: dict[str, Any] = {
         "keys": _diff_stats(ra.problem.k, rb.problem.k),
-        "head_weights": _diff_stats(ra.problem.head_weights[:n], rb.problem.head_weights[:n]),
-        "queries_bitwise_equal": _bitwise_equal(ra.problem.q[:n], rb.problem.q[:n]),
+        "head_weights": _diff_stats(ra.problem.head_weights[local], rb.problem.head_weights[local]),
+        "queries_bitwise_equal": _bitwise_equal(ra.problem.q[local], rb.problem.q[local]),
         "pools_bitwise_equal": _bitwise_equal(ra.pooled, rb.pooled),
         "pools_differing": _pools_differing(ra.pooled, rb.pooled),
         "ids_bitwise_equal": _bitwise_equal(ra.ids, rb.ids),
@@ -398,7 +413,7 @@ def replay(
             rbe["all"] = all(rbe.values())
     diff["scores"] = sc["diff"]
     stp = _start_to_pool(pts, seq.total_length, dev)
-    topk, choice, jac = _topk_diffs(ra.ids[:n], rb.ids[:n], meta, stp, T, K)
+    topk, choice, jac = _topk_diffs(real_ids(ra.ids), real_ids(rb.ids), meta, stp, T, K)
     diff["topk"] = topk
     lo_e, hi_e, nbins = HIST_EDGES
     edges = torch.linspace(lo_e, hi_e, nbins + 1).tolist()
@@ -408,7 +423,8 @@ def replay(
             "files": [str(c.path) for c in captures],
             "rank": target.rank,
             "world_size": target.world_size,
-            "shard": [seq.shard_start, seq.shard_end],
+            "shard": [seq.shard_start, seq.shard_end] if seq.is_contiguous else None,
+            "layout": seq.layout,
             "real_rows": n,
             "num_pools": P,
             "heads": m["heads"],

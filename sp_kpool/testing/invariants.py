@@ -21,21 +21,25 @@ def check_invariants(out: torch.Tensor, seq: ShardedSequence, *, topk: int, kpoo
     Counts (``min((j+1)//K, T//K) * K + (j+1) % K`` valid ids), ids inside
     ``[doc_start, t]``, no repeats, whole complete pools in the history, the tail exactly
     ``t - tail + 1 .. t`` at the right columns, ``-1`` after the valid ids of each region,
-    and all ``-1`` for padding rows.
+    and all ``-1`` for padding rows. Any layout: rows and ids are mapped from stream
+    positions to real rows first (in real rows, row ``t`` of document ``[start, end)``).
     """
     width = output_width(topk, kpool, alignment)
     assert out.dtype == torch.int32, f"dtype {out.dtype}"
     assert tuple(out.shape) == (seq.shard_size, width), f"shape {tuple(out.shape)} != {(seq.shard_size, width)}"
+    import bisect
+
+    from .problems import to_document_positions
+
     cu = seq.real_cu_seq_lens.tolist()
-    rows = out.cpu().tolist()
-    doc = 0
+    rows = to_document_positions(out.cpu(), seq).tolist()  # real rows (raises on an id of a padding token)
+    real = seq.real_of_stream[seq.positions].tolist()
     for i, row in enumerate(rows):
-        t = seq.shard_start + i
-        if t >= seq.num_real_tokens:
-            assert all(v == -1 for v in row), f"padding row {t} not all -1: {row}"
+        t = real[i]
+        if t < 0:
+            assert all(v == -1 for v in row), f"padding row {i} (stream {int(seq.positions[i])}) not all -1: {row}"
             continue
-        while cu[doc + 1] <= t:
-            doc += 1
+        doc = bisect.bisect_right(cu, t) - 1
         start = cu[doc]
         j = t - start
         n_hist = min((j + 1) // kpool, topk // kpool) * kpool

@@ -112,18 +112,6 @@ def simulate_ranks(x: GlobalInputs, world_size: int, *, topk: int, kpool: int, b
             for s, d in zip(seqs, local)]  # fmt: skip
 
 
-def to_document_positions(ids: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
-    """``ids`` (stream positions, ``-1`` kept) as real rows: what they are in a world-size-1
-    contiguous call on the same real documents."""
-    real = seq.real_of_stream
-    out = ids.to(torch.int64).clone()
-    valid = out >= 0
-    out[valid] = real[out[valid]]
-    if bool((out[valid] < 0).any()):
-        raise AssertionError("an id points at a padding token")
-    return out.to(ids.dtype)
-
-
 def reference_slice_problem(heads: int, precision: str = "bf16", *, total: int = 131072, seed: int = 0,
                             max_logits_bytes: int | None = None, device="cuda", prompt_fraction: float = 0.0):  # fmt: skip
     """The benchmarks' reference workload on CUDA: rank 3 of a 4-rank split of one
@@ -188,3 +176,12 @@ def rank_slice_problem(
     config = KPoolConfig(topk=topk, kpool=kpool, tail=tail, order=order, precision=precision,
                          max_logits_bytes=max_logits_bytes)  # fmt: skip
     return Problem(q=q, head_weights=w, k=k, gates=gates, ape=ape, seq=seq, config=config)
+
+
+def to_document_positions(ids: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
+    """``ids`` (stream positions, ``-1`` kept) as real rows: what they are in a world-size-1
+    contiguous call on the same real documents (``AssertionError`` if one is padding)."""
+    try:
+        return seq.real_ids(ids)
+    except ValueError:
+        raise AssertionError("an id points at a padding token") from None

@@ -13,9 +13,9 @@ import torch
 from ..api import kpool_topk
 from ..sharding import ShardedSequence
 from .invariants import check_invariants
-from .problems import make_inputs, shard_inputs
+from .problems import make_inputs, shard_inputs, to_document_positions
 
-__all__ = ["RankReport", "sharded_vs_world1", "bad_input_on_one_rank", "STANDARD_CASES"]
+__all__ = ["RankReport", "layout_seq", "sharded_vs_world1", "bad_input_on_one_rank", "STANDARD_CASES"]
 
 #: (document lengths, kpool, topk): odd global lengths, pools straddling seams, shards
 #: starting mid-document, and (with enough ranks) a shard holding only padding.
@@ -32,33 +32,55 @@ STANDARD_CASES = [
 class RankReport:
     rank: int
     world_size: int
-    shard: tuple[int, int]
+    shard: tuple[int, int] | None
     real_rows: int
     selected: int
     equal: bool
     backend: str
+    layout: str = "contiguous"
+
+
+def layout_seq(cu_seq_lens, rank: int, world_size: int, layout: str = "contiguous", *, group=None,
+               pad_multiple: int | None = None, seed: int = 0) -> ShardedSequence:  # fmt: skip
+    """This rank's sequence of ``layout``: a layout name of :meth:`ShardedSequence.split`, or
+    ``"positions"``: a random permutation of the tokens cut into random, uneven parts
+    (from ``seed``, the same on every rank), through :meth:`ShardedSequence.from_positions`
+    (which all-gathers the positions when ``world_size > 1``)."""
+    if layout != "positions":
+        return ShardedSequence.split(cu_seq_lens, world_size, rank, group, layout=layout, pad_multiple=pad_multiple)
+    total = int(cu_seq_lens[-1])
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(total, generator=g)
+    cuts = torch.sort(torch.randint(0, total + 1, (world_size - 1,), generator=g)).values.tolist()
+    bounds = [0, *cuts, total]
+    return ShardedSequence.from_positions(cu_seq_lens, perm[bounds[rank] : bounds[rank + 1]], world_size=world_size,
+                                          rank=rank, group=group)  # fmt: skip
 
 
 def sharded_vs_world1(
     rank: int, world_size: int, lengths, kpool: int, topk: int, *, heads=8, head_dim=16, seed=0,
-    device="cpu", backend="torch", group=None, dtype=torch.float32, **options,
+    device="cpu", backend="torch", group=None, dtype=torch.float32, layout="contiguous", pad_multiple=None,
+    **options,
 ) -> RankReport:  # fmt: skip
-    """Run this rank's shard with the real collectives and compare to world size 1
-    (computed on this rank with the same options, plain split, gather-keys)."""
+    """Run this rank's rows of ``layout`` (:func:`layout_seq`) with the real collectives and
+    compare them to world size 1 (computed on this rank with the same options, contiguous,
+    gather-keys): every real row's ids, mapped from stream positions to real rows, equal
+    the world-size-1 row bit for bit, and padding rows are all ``-1``."""
     x = make_inputs(lengths, heads=heads, head_dim=head_dim, kpool=kpool, seed=seed, dtype=dtype)
-    seq = ShardedSequence.split(x.cu_seq_lens, world_size=world_size, rank=rank, group=group)
+    seq = layout_seq(x.cu_seq_lens, rank, world_size, layout, group=group, pad_multiple=pad_multiple, seed=seed)
     opts = dict(topk=topk, kpool=kpool, backend=backend, **options)
     out = kpool_topk(**shard_inputs(x, seq, device), seq=seq, **opts)
     check_invariants(out, seq, topk=topk, kpool=kpool, tail=opts.get("tail", "fixed"), alignment=opts.get("alignment", 1))
     seq1 = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
     ref_opts = {k: v for k, v in opts.items() if k not in ("gather", "balance", "balance_block")}
     ref = kpool_topk(**shard_inputs(x, seq1, device), seq=seq1, **ref_opts)
-    lo, hi = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    n = max(0, hi - lo)
-    equal = torch.equal(out[:n], ref[lo:hi]) and bool((out[n:] == -1).all())
+    real = seq.real_of_stream[seq.positions]
+    keep = real >= 0
+    got = to_document_positions(out.cpu(), seq)
+    equal = torch.equal(got[keep], ref.cpu()[real[keep]]) and bool((out.cpu()[~keep] == -1).all())
     return RankReport(
-        rank=rank, world_size=world_size, shard=(seq.shard_start, seq.shard_end), real_rows=n,
-        selected=int((out >= 0).sum()), equal=equal, backend=backend,
+        rank=rank, world_size=world_size, shard=(seq.shard_start, seq.shard_end) if seq.is_contiguous else None,
+        real_rows=int(keep.sum()), selected=int((out >= 0).sum()), equal=equal, backend=backend, layout=layout,
     )  # fmt: skip
 
 

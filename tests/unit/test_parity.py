@@ -337,6 +337,34 @@ def test_live_multi_rank_capture_replays_each_rank(tmp_path):
         replay(files[0], "fp8", "bf16")
 
 
+def _live_rank_layout(rank, world_size, directory, layout):
+    m = _indexer("bf16-serving", capture_dir=directory)
+    hidden, q_resid = _inputs(sum(LIVE_LENGTHS))
+    seq = ShardedSequence.split(_cu(LIVE_LENGTHS), world_size, rank, layout=layout)
+    real = seq.real_of_stream[seq.positions]
+    rows = lambda x: torch.where((real >= 0)[:, None], x[real.clamp(min=0)], 0.0)  # noqa: E731
+    return m(rows(hidden), rows(q_resid), seq), real
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "zigzag-per-document"])
+def test_live_capture_of_a_layout_replays_each_rank(tmp_path, layout):
+    # the capture records the ownership; the replay rebuilds it and reproduces the ids
+    outs = run_ranks(_live_rank_layout, 2, (str(tmp_path), layout), timeout=120)
+    ref = _indexer("bf16-serving")(*_inputs(sum(LIVE_LENGTHS)), ShardedSequence.split(_cu(LIVE_LENGTHS), 1, 0))
+    for r, f in enumerate(sorted(tmp_path.glob("*.safetensors"))):
+        cap, _ = load_capture_set(f)
+        seq = cap.seq()
+        assert seq.layout == layout and torch.equal(seq.positions, ShardedSequence.split(
+            _cu(LIVE_LENGTHS), 2, r, layout=layout).positions)  # fmt: skip
+        rep = replay(f, "bf16-serving:torch", "fp8", repeat=False)
+        assert rep["arms"]["A"]["reproduces_captured_ids"] is True and rep["capture"]["layout"] == layout
+        ids, real = outs[r]
+        keep = real >= 0
+        assert rep["capture"]["real_rows"] == int(keep.sum())
+        assert torch.equal(seq.real_ids(ids)[keep], ref[real[keep]])
+        assert rep["per_query"]["row"] == sorted(real[keep].tolist())
+
+
 def test_synthetic_multi_rank_capture_and_cli(tmp_path, capsys):
     kw = dict(tokens=90, docs=2, hidden_size=HIDDEN, q_lora_rank=Q_LORA, heads=H, head_dim=D, topk=T, kpool=K)
     paths = make_synthetic_capture(tmp_path / "cap", world_size=2, precision="fp8", **kw)
