@@ -7,8 +7,8 @@
     # several GPUs under torchrun (NCCL, one GPU per rank)
     torchrun --standalone --nproc_per_node 2 scripts/bench.py --backends tilelang,deepgemm ...
 
-For each configuration (sequence length x backend x precision x gather x balance) every rank
-runs the real operator on its shard: warm-up calls, then ``--iters`` timed calls (barrier,
+For each configuration (sequence length x layout x backend x precision x gather x balance)
+every rank runs the real operator on its rows: warm-up calls, then ``--iters`` timed calls (barrier,
 device synchronized; the step time is the slowest rank's), then one instrumented call
 (``stats=``) that gives per-stage times (gather, seam, pool, balance exchange, score, select,
 balance route, expand; device synchronized around each stage), the bytes every rank sent
@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--balances", type=_csv(str), default=["none", "causal"], help=f"comma list of {list(BALANCES)}")
     ap.add_argument("--seq-lens", type=_csv(int), default=[4096, 8192], help="global packed lengths S")
     ap.add_argument("--docs", type=int, default=1, help="documents per sequence (1: one long document)")
+    ap.add_argument("--layouts", type=_csv(str), default=["contiguous"],
+                    help="comma list of contiguous, zigzag, zigzag-per-document, positions (a random permutation)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--topk", type=int, default=2048)
@@ -313,6 +315,7 @@ def run_config(args, seq, inputs, device, cfg: dict, baseline) -> tuple[dict, to
     rec["bytes"] = stats["bytes"]
     rec["rows_scored"] = list(stats["rows_scored"])
     rec["causal_pairs"] = stats["causal_pairs"]
+    rec["scored_cells"] = stats["scored_cells"]
     rec["pools"] = stats["pools"]
     rec["pools_built"] = stats["pools_built"]
     rec["partition"] = stats["partition"]
@@ -327,7 +330,7 @@ def run_config(args, seq, inputs, device, cfg: dict, baseline) -> tuple[dict, to
 
 
 def main_rank(args, rank: int, world_size: int, device: torch.device, dist_backend: str | None) -> None:
-    from sp_kpool.sharding import ShardedSequence
+    from sp_kpool.testing.rank_checks import layout_seq
 
     dist_on = world_size > 1
     if dist_on:
@@ -350,25 +353,26 @@ def main_rank(args, rank: int, world_size: int, device: torch.device, dist_backe
     _log(rank, "ceilings: " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in ceilings.items()}))
     doc = {"environment": env, "ceilings": ceilings, "args": {k: v for k, v in vars(args).items()}, "results": []}
     combos = [(g, b) for g in args.gathers for b in args.balances]
-    total = len(args.seq_lens) * len(args.backends) * len(args.precisions) * len(combos)
+    total = len(args.seq_lens) * len(args.layouts) * len(args.backends) * len(args.precisions) * len(combos)
     i = 0
-    for S in args.seq_lens:
+    for S, layout in ((S, layout) for S in args.seq_lens for layout in args.layouts):
         lengths = doc_lengths(S, args.docs, args.seed)
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        seq = ShardedSequence.split(cu, world_size=world_size, rank=rank, group=None)
+        seq = layout_seq(cu, rank, world_size, layout, seed=args.seed)
         inputs = local_inputs(seq, args, device, rank)
-        owned = max(0, min(seq.shard_end, seq.num_real_tokens) - seq.shard_start)
+        owned = seq.real_rows().numel()
         for backend in args.backends:
             for precision in args.precisions:
                 baseline = None
                 for gather, balance in combos:
                     i += 1
-                    cfg = dict(seq_len=S, docs=len(lengths), backend=backend, precision=precision, gather=gather,
+                    cfg = dict(seq_len=S, docs=len(lengths), layout=layout, backend=backend, precision=precision,
+                               gather=gather,
                                balance=balance, heads=args.heads, head_dim=args.head_dim, topk=args.topk,
                                kpool=args.kpool, dtype=args.dtype)  # fmt: skip
-                    label = f"[{i}/{total}] S={S} {backend} {precision} gather={gather} balance={balance}"
+                    label = f"[{i}/{total}] S={S} {layout} {backend} {precision} gather={gather} balance={balance}"
                     _log(rank, label + " ...")
                     t0 = time.perf_counter()
                     rec, out = run_config(args, seq, inputs, device, cfg, baseline)

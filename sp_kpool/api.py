@@ -41,16 +41,19 @@ def kpool_topk(
     gates           ``[S_local, D]``        per-channel pool gate logits ``x @ gate.T``
     head_weights    ``[S_local, H]``        raw ``weights_proj`` output (``H^-0.5`` applied here)
     ape             ``[K, D]``              ``index_kpool_compress_ape``
-    returns         ``[S_local, W]`` int32  global packed token ids, ``-1`` unused
+    returns         ``[S_local, W]`` int32  stream token ids, ``-1`` unused
     ==============  ======================  =============================================
 
-    ``W = align(topk + kpool - 1, alignment)``. Keys and gates are all-gathered over
+    Row ``i`` of every input and of the output is the token at stream position
+    ``seq.positions[i]`` (any layout: :mod:`sp_kpool.layouts`); ids are stream positions
+    (the positions in the padded stream that a gathered K/V in stream order is indexed
+    by). ``W = align(topk + kpool - 1, alignment)``. Keys and gates are all-gathered over
     ``seq.group`` before pooling (pools may straddle shard seams); queries and head
     weights stay local. A row at document-local position ``j`` selects the
     ``min(topk // K, (j + 1) // K)`` best complete pools of its own document that end at
     or before it (ties toward the lower pool id), expanded to ``K`` token ids each, plus
-    the ``(j + 1) % K`` most recent tokens as its tail. Rows of the padding document are
-    all ``-1``.
+    the ``(j + 1) % K`` most recent tokens as its tail. Rows of padding documents are
+    all ``-1``, and no id is a padding position.
 
     The settings come as a :class:`~sp_kpool.config.KPoolConfig` (``config=``, what is
     computed) and :class:`~sp_kpool.config.RunOptions` (``options=``, how), or as keywords
@@ -104,8 +107,13 @@ def kpool_topk(
             (``time_s``: gather, seam, pool, balance_exchange, score, select,
             balance_route, expand; the device is synchronized around each stage, so the
             call is slower),
-            the partition (``partition``) and the rows this rank scored. Never compared
-            across ranks; only this rank's view.
+            the partition (``partition``), the real rows this rank scored
+            (``rows_scored``: ``(lo, hi)``, or a list of ``[lo, hi]`` runs in the
+            interleaved layouts), their causal pairs (``causal_pairs``), the cells of the
+            chunk grid scored (``scored_cells``: zero rows included, so more than
+            ``causal_pairs`` where a layout leaves rows of a chunk to other ranks), the
+            pools built here (``pools_built``) and the ``layout``. Never compared across
+            ranks; only this rank's view.
 
     Raises ``ValueError``/``TypeError`` naming the argument, the expected and the actual
     value; with several ranks every rank raises the same error, before any data moves.

@@ -241,10 +241,10 @@ def run(q, k, gates, head_weights, ape, seq, config: KPoolConfig | None = None, 
         problem = dataclasses.replace(problem, k=k_all, gates=gates_all)
     elif call.pools:  # problem.k / gates stay this rank's shards: with pools gathered, nothing reads them
         pooled = gather_pools(backend, problem, pool_table(seq.real_cu_seq_lens, problem.kpool)[0], stats=counter)
-    out = _compute(dataclasses.replace(call, problem=problem), pooled).ids
+    computed = _compute(dataclasses.replace(call, problem=problem), pooled)
     if stats is not None:
-        _fill_stats(stats, call)
-    return out
+        _fill_stats(stats, call, computed)
+    return computed.ids
 
 
 @dataclasses.dataclass
@@ -362,7 +362,7 @@ def _pools_built(seq: ShardedSequence, pts: torch.Tensor, kpool: int) -> int:
     return pool_owners(pts, seq, kpool).counts[seq.rank]
 
 
-def _fill_stats(stats: dict, call: Call) -> None:
+def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
     problem, options, part = call.problem, call.options, call.partition
     seq, kpool = problem.seq, problem.kpool
     n = seq.num_real_tokens
@@ -385,6 +385,9 @@ def _fill_stats(stats: dict, call: Call) -> None:
         partition=part.as_dict() if part is not None else None,
         rows_scored=scored,
         causal_pairs=causal,
+        # the (row, pool) cells of the chunk grid scored here, zero rows included
+        scored_cells=sum(plan.rows * (c.pool_hi - c.pool_lo) for plan, _ in computed.spans for c in plan.chunks),
+        layout=seq.layout,
         pools=int(pts.numel()),
         pools_built=_pools_built(seq, pts, kpool) if options.gather == "pools" else int(pts.numel()),
     )  # fmt: skip

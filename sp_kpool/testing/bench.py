@@ -209,6 +209,10 @@ def summarize(args, cfg: dict, per_rank: list[dict], ceilings: dict, device: tor
     pairs = [r["causal_pairs"] for r in per_rank]
     s["causal_pairs"] = pairs
     s["pairs_imbalance"] = max(pairs) / (sum(pairs) / len(pairs)) if sum(pairs) else 1.0
+    cells = [r.get("scored_cells", 0) for r in per_rank]  # the chunk grid's cells, zero rows included
+    s["scored_cells"] = cells
+    s["cells_imbalance"] = max(cells) / (sum(cells) / len(cells)) if sum(cells) else 1.0
+    s["cells_per_causal_pair"] = sum(cells) / sum(pairs) if sum(pairs) else 1.0
     part = per_rank[0]["partition"]
     if part is not None:
         s["partition"] = {k: part[k] for k in ("applied", "bounds", "imbalance", "contiguous_imbalance", "block")}
@@ -273,12 +277,12 @@ def add_ratios(results: list[dict]) -> None:
     for r in results:
         c = r["config"]
         if "skipped" not in r["summary"]:
-            index[(c["seq_len"], c["backend"], c["precision"], c["gather"], c["balance"])] = r["summary"]
+            index[(c["seq_len"], c.get("layout"), c["backend"], c["precision"], c["gather"], c["balance"])] = r["summary"]
     for r in results:
         c, s = r["config"], r["summary"]
         if c["gather"] != "pools" or "skipped" in s:
             continue
-        k = index.get((c["seq_len"], c["backend"], c["precision"], "keys", c["balance"]))
+        k = index.get((c["seq_len"], c.get("layout"), c["backend"], c["precision"], "keys", c["balance"]))
         if k and k["gather_bytes_received_max"]:
             s["gather_bytes_vs_keys"] = s["gather_bytes_received_max"] / k["gather_bytes_received_max"]
 
@@ -301,7 +305,8 @@ def one_line(s: dict, wall: float) -> str:
     return (
         f"{s['time_ms']:.1f} ms | {stages} ms | gather recv {s['gather_bytes_received_max']} B"
         + (f" (1/{1 / ratio:.1f} of keys)" if ratio else "")
-        + f" | pairs max/mean {s['pairs_imbalance']:.3f}{bal}{extra}"
+        + f" | pairs max/mean {s['pairs_imbalance']:.3f} cells max/mean {s['cells_imbalance']:.3f}"
+        + f" (cells/pairs {s['cells_per_causal_pair']:.2f}){bal}{extra}"
         + f" | peak {s['peak_memory_bytes_max'] / 2**20:.0f} MiB | equal {s['equal_to_baseline']}"
         + f" | {wall:.1f} s wall"
     )
@@ -317,7 +322,9 @@ def fit_row_cost(results: list[dict]) -> dict:
             continue
         key = f"{r['config']['backend']}/{r['config']['precision']}"
         for p in r["per_rank"]:
-            rows = p["rows_scored"][1] - p["rows_scored"][0]
+            scored = p["rows_scored"]  # (lo, hi), or [lo, hi] runs in the interleaved layouts
+            runs = scored if scored and isinstance(scored[0], (list, tuple)) else [scored]
+            rows = sum(b - a for a, b in runs)
             t = p["stage_s"].get("score", 0.0) + p["stage_s"].get("select", 0.0)
             if rows > 0:
                 groups.setdefault(key, []).append((float(p["causal_pairs"]), float(rows), t))

@@ -2,10 +2,12 @@
 
     torchrun --standalone --nproc_per_node N tests/multigpu/sharded_check.py \
         [--arms bf16:torch,fp8:deepgemm,...] [--heads 64 --head-dim 128 --dtype bf16] [--scale]
+        [--layout contiguous,zigzag,zigzag-per-document,positions]
 
 NCCL with one GPU per rank when CUDA is available, gloo on CPU otherwise. Cases: odd global
 lengths, pools straddling seams, shards starting mid-document, a shard holding only
-padding (STANDARD_CASES). Prints one PASS/FAIL line per rank and case set; exit status 1
+padding (STANDARD_CASES), in each ``--layout`` (rows and ids compared after mapping stream
+positions to real rows). Prints one PASS/FAIL line per rank, arm and layout; exit status 1
 on any failure.
 
 Runs with the package importable: installed (``pip install -e .``) or the repository root on
@@ -32,7 +34,13 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--scale", action="store_true", help="also gather='pools' and balance='causal'")
+    ap.add_argument("--layout", default="contiguous", help="comma-separated layouts (contiguous, zigzag, "
+                    "zigzag-per-document, positions: a random permutation in uneven parts)")
     opts = ap.parse_args()
+    layouts = opts.layout.split(",")
+    known = ("contiguous", "zigzag", "zigzag-per-document", "positions")
+    if any(lay not in known for lay in layouts):
+        ap.error(f"--layout: expected a comma-separated list of {list(known)}, got {opts.layout!r}")
     dtype = getattr(torch, opts.dtype)
     variants = [{}]
     if opts.scale:
@@ -50,20 +58,23 @@ def main() -> int:
     try:
         for arm in opts.arms.split(","):
             precision, name = arm.split(":")
-            bad, n = [], 0
-            for lengths, kpool, topk in STANDARD_CASES:
-                for tail, order in (("fixed", "ascending"), ("compact", "score")):
-                    for extra in variants:
-                        n += 1
-                        rep = sharded_vs_world1(
-                            rank, ws, lengths, kpool, topk, heads=opts.heads, head_dim=opts.head_dim, seed=len(lengths),
-                            device=device, backend=name, precision=precision, dtype=dtype, tail=tail, order=order, **extra,
-                        )  # fmt: skip
-                        if not rep.equal:
-                            bad.append((lengths, kpool, topk, tail, order, extra))
-            failures += len(bad)
-            verdict = "PASS" if not bad else f"FAIL {bad}"
-            print(f"torchrun rank {rank}/{ws} {backend} {device} arm={arm}: {n - len(bad)}/{n} cases equal: {verdict}", flush=True)
+            for layout in layouts:
+                bad, n = [], 0
+                for lengths, kpool, topk in STANDARD_CASES:
+                    for tail, order in (("fixed", "ascending"), ("compact", "score")):
+                        for extra in variants:
+                            n += 1
+                            rep = sharded_vs_world1(
+                                rank, ws, lengths, kpool, topk, heads=opts.heads, head_dim=opts.head_dim,
+                                seed=len(lengths), device=device, backend=name, precision=precision, dtype=dtype,
+                                tail=tail, order=order, layout=layout, **extra,
+                            )  # fmt: skip
+                            if not rep.equal:
+                                bad.append((lengths, kpool, topk, tail, order, extra))
+                failures += len(bad)
+                verdict = "PASS" if not bad else f"FAIL {bad}"
+                print(f"torchrun rank {rank}/{ws} {backend} {device} arm={arm} layout={layout}: {n - len(bad)}/{n} "
+                      f"cases equal: {verdict}", flush=True)  # fmt: skip
         flag = torch.tensor([failures], device=device if backend == "nccl" else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     finally:

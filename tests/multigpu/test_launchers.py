@@ -47,15 +47,16 @@ def test_torchrun_ranks_equal_world_size_one(nproc):
         pytest.skip(f"NCCL needs {nproc} GPUs, have {torch.cuda.device_count()}")
     # SP_KPOOL_CHECK_ARGS adds arguments, e.g. on GPUs:
     # "--arms bf16:tilelang,fp8:deepgemm --heads 64 --head-dim 128 --dtype bfloat16"
-    extra = os.environ.get("SP_KPOOL_CHECK_ARGS", "--scale").split()
+    extra = os.environ.get("SP_KPOOL_CHECK_ARGS", "--scale --layout contiguous,zigzag,zigzag-per-document,positions").split()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "tests/multigpu/sharded_check.py", *extra]  # fmt: skip
     rc, out = _launch(cmd, timeout=300)
     assert rc == 0, out
     arms = extra[extra.index("--arms") + 1].split(",") if "--arms" in extra else ["bf16:torch"]
+    layouts = extra[extra.index("--layout") + 1].split(",") if "--layout" in extra else ["contiguous"]
     for r in range(nproc):
         assert f"torchrun rank {r}/{nproc}" in out, out
-    assert "FAIL" not in out and out.count(": PASS") == nproc * len(arms), out
+    assert "FAIL" not in out and out.count(": PASS") == nproc * len(arms) * len(layouts), out
 
 
 def test_mpirun_smoke_four_ranks():
