@@ -1,7 +1,7 @@
 """Collectives over the ``ShardedSequence`` process group.
 
 Only two things cross ranks in the gather-keys path: the keys and gates (all-gathered
-before pooling, because a pool may straddle a shard seam) and a tiny validation vector
+before pooling, because a pool may straddle rows of two ranks) and a tiny validation vector
 (so that bad input fails on every rank alike, before any data collective, never hangs).
 The gather-pools path (:mod:`sp_kpool.pool_gather`) and the causal balance
 (:mod:`sp_kpool.balance`) add point-to-point row exchanges (:func:`exchange_rows`) and an
@@ -11,9 +11,12 @@ Every collective here takes an optional :class:`CommStats` and adds to it the by
 rank actually handed to and received from the other ranks, under a tag: counted from the
 tensors the collective moves (padding included), not estimated.
 
-Shards are equal by construction (``ShardedSequence`` pads), so the even, concatenated
-(dim-0) all-gather works on gloo and NCCL alike. The process group is always passed in
-explicitly; nothing is kept in module globals except the resolved gather function.
+In the contiguous layout shards are equal by construction (``ShardedSequence`` pads), so
+the keys go through one even, concatenated (dim-0) all-gather, on gloo and NCCL alike; in
+the other layouts (:mod:`sp_kpool.layouts`) counts may differ, and :func:`gather_keys` pads
+to the largest count, gathers once and puts the rows in real-row order. The process group
+is always passed in explicitly; nothing is kept in module globals except the resolved
+gather function.
 """
 
 from __future__ import annotations

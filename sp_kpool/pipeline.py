@@ -6,17 +6,25 @@
    against the settings, the backend resolved, the balance partition and the scoring
    chunk computed from global quantities; then one small all-gather checks that every
    rank agrees (or every rank raises the same error) before any data moves;
-2. **gather**: keys and gates all-gathered (``gather="keys"``), or pools built per shard
-   and their pooled keys all-gathered (``gather="pools"``, :mod:`sp_kpool.pool_gather`);
+2. **gather**: keys and gates all-gathered into real-row order (``gather="keys"``), or
+   pools built by the owner of their first token and their pooled keys all-gathered
+   (``gather="pools"``, :mod:`sp_kpool.pool_gather`);
 3. **partition**: with ``balance="causal"`` the query rows move to the rank that scores
    them (:mod:`sp_kpool.balance`);
-4. **plan**: the chunk grid of the rows scored here and its tables (:mod:`sp_kpool.plan`);
+4. **plan**: the chunk grid of the rows scored here and its tables (:mod:`sp_kpool.plan`;
+   one span of rows in the contiguous layout, one per group of nearby runs in the
+   interleaved ones);
 5. **pool and prepare**: the backend's pools (unless gathered) and prepared query rows,
    in one step (:meth:`~sp_kpool.backends.base.Backend.prepare`);
 6. **score and select**: chunk by chunk (:mod:`sp_kpool.scoring`);
 7. **route back**: selected pools return to the rows' owners (balanced calls only);
 8. **expand**: pools to token ids, the tail, the column layout
-   (:func:`sp_kpool.selection.assemble`).
+   (:func:`sp_kpool.selection.assemble`); in layouts other than the contiguous one, the
+   ids mapped to stream positions and the rows put back in storage order.
+
+Every layout (:mod:`sp_kpool.layouts`) runs the same stages on the **real rows** (the real
+documents packed without padding); :class:`~sp_kpool.sharding.ShardedSequence` maps its
+rows and ids between the stream and the real rows.
 
 Host latency
 ------------
@@ -275,6 +283,9 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
         with stage(problem, "balance_exchange"):
             q_rows, w_rows = move_queries(problem, computed, counter)
         spans = [Span(*computed[seq.rank])]
+    elif seq.is_contiguous:  # the real rows are the first rows of the shard
+        q_rows, w_rows = q[: owned.numel()], head_weights[: owned.numel()]
+        spans = row_spans(seq.runs, C)
     else:
         q_rows, w_rows = take_rows(q, seq.storage_index()), take_rows(head_weights, seq.storage_index())
         spans = row_spans(seq.runs, C, seq.real_rows())
