@@ -46,3 +46,40 @@ def test_every_rank_equals_world_size_one(cache, name, precision, H, D, ws):
         if not (torch.equal(out[:n], ref[a:b]) and bool((out[n:] == -1).all())):
             wrong.append(r)
     assert not wrong, f"ranks differing from world size 1: {wrong} of {ws}"
+
+
+@pytest.mark.parametrize("ws", (2, 4))
+@pytest.mark.parametrize("layout", ("zigzag", "zigzag-per-document", "positions"))
+@pytest.mark.parametrize("name,precision,H,D", ARMS)
+def test_every_layout_equals_world_size_one(cache, name, precision, H, D, layout, ws):
+    """The layouts on the GPU backends: each rank's rows (storage order, stream ids) mapped
+    to real rows equal the world-size-1 rows bit for bit; padding rows are all -1."""
+    from sp_kpool.testing.problems import layout_seqs
+
+    key = (name, precision, H, D)
+    if key not in cache:
+        base = rank_slice_problem(sum(LENGTHS), 1, 0, heads=H, head_dim=D, topk=2048, lengths=LENGTHS,
+                                  precision=precision, max_logits_bytes=64 << 20, seed=11)  # fmt: skip
+        cache[key] = base, ids_of(name, base)
+    base, ref = cache[key]
+    if layout == "positions":
+        g = torch.Generator().manual_seed(ws)
+        perm = torch.randperm(base.seq.num_real_tokens, generator=g)
+        cuts = [0, *sorted(torch.randint(0, perm.numel() + 1, (ws - 1,), generator=g).tolist()), perm.numel()]
+        seqs = layout_seqs(base.seq.cu_seq_lens, ws, rank_positions=[perm[a:b] for a, b in zip(cuts, cuts[1:])])
+    else:
+        seqs = layout_seqs(base.seq.cu_seq_lens, ws, layout)
+    wrong = []
+    for seq in seqs:
+        real = seq.real_of_stream[seq.positions].to(base.q.device)
+        keep = real >= 0
+
+        def rows(t):
+            return torch.where(keep.view(-1, *([1] * (t.dim() - 1))), t[real.clamp(min=0)], torch.zeros_like(t[:1]))
+
+        p = dataclasses.replace(base, seq=seq, q=rows(base.q), head_weights=rows(base.head_weights))
+        out = ids_of(name, p)  # k, gates: the real rows of the whole sequence (what the gather gives)
+        got = seq.real_ids(out)
+        if not (torch.equal(got[keep], ref[real[keep]]) and bool((out[~keep] == -1).all())):
+            wrong.append(seq.rank)
+    assert not wrong, f"ranks differing from world size 1 ({layout}): {wrong} of {ws}"
