@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU evidence, in parts that fit one device call each. Run from the repository root on
-# a CUDA host whose Python can import sp_kpool's GPU packages (see shared gpu_wheels.sh).
+# a CUDA host whose Python can import sp_kpool's GPU packages (see scripts/gpu_wheels.sh).
 #   bash scripts/gpu_evidence.sh check   OUTDIR   # pytest tests/gpu (full sizes, gpu.xml) + bench_kernels.py
 #   bash scripts/gpu_evidence.sh ranks   OUTDIR   # torchrun NCCL over every GPU, GPU arms, scale options
 #   bash scripts/gpu_evidence.sh scale   OUTDIR   # scripts/bench.py under torchrun + parity replays + mpirun
