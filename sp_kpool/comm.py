@@ -271,7 +271,9 @@ def wait_or_raise(work, timeout: float, what: str) -> None:
                 f"{what}: not every rank answered within {timeout:g} s ({TIMEOUT_VARIABLE}): a rank died, "
                 f"stopped answering or did not make this call"
             ) from exc
-        raise RuntimeError(f"{what}: the collective failed after {waited:.1f} s (a rank may have died): {exc}") from exc
+        # the backend's text (addresses, ports) differs between ranks: it is the cause, not the message
+        raise RuntimeError(f"{what}: the collective failed before the {timeout:g} s timeout ({TIMEOUT_VARIABLE}): a "
+                           f"rank died or closed its connection (the cause is the backend's error)") from exc  # fmt: skip
 
 
 def _all_gather_timed(x: torch.Tensor, seq, timeout: float, what: str) -> torch.Tensor:

@@ -257,7 +257,7 @@ def _call(problem: Problem, options: RunOptions, counter: CommStats | None = Non
 #: dtypes and device types as codes of the agreement (-1: not a tensor, -2: another one)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32)
 _DTYPE_NAMES = {-1: "not a tensor", -2: "another dtype", **{i: str(d).replace("torch.", "") for i, d in enumerate(_DTYPES)}}
-_DEVICE_TYPES = ("cpu", "cuda")
+_DEVICE_TYPES = ("cpu", "cuda", "meta")
 _DEVICE_NAMES = {-1: "not a tensor", -2: "another device type", **dict(enumerate(_DEVICE_TYPES))}
 
 
