@@ -102,6 +102,11 @@ def kpool_topk(
         balance_row_cost: the per-row constant of the work model, in (row, pool) scores
             (default: the backend's ``balance_row_cost`` attribute if it has one, else
             :data:`sp_kpool.balance.ROW_COST`). ``scripts/bench.py`` fits it from a run.
+        check_finite: raise (on every rank) if a real row of an input tensor holds a NaN or
+            an infinity, naming the tensor, the row and the value (one device-to-host read;
+            default ``settings.check_finite``, ``$SP_KPOOL_CHECK_FINITE``, off). Off, such
+            values reach the scores, and a NaN score is never selected: the row gets fewer
+            ids.
         stats: if a dict, it is filled with this rank's instrumented communication bytes
             (``bytes``: ``sent``, ``received``, ``by_tag``), per-stage wall seconds
             (``time_s``: gather, seam, pool, balance_exchange, score, select,
@@ -115,8 +120,13 @@ def kpool_topk(
             pools built here (``pools_built``) and the ``layout``. Never compared across
             ranks; only this rank's view.
 
+    Integer arguments accept NumPy integers and 0-d integer tensors.
+
     Raises ``ValueError``/``TypeError`` naming the argument, the expected and the actual
-    value; with several ranks every rank raises the same error, before any data moves.
+    value; with several ranks every rank raises the same error (the same type as at world
+    size 1, the same message, naming the ranks and their values), before any data moves
+    (:func:`sp_kpool.pipeline.validate_and_agree`). The agreement waits at most
+    ``settings.comm_timeout`` seconds for the other ranks (``TimeoutError``).
     """
     return pipeline.run(q, k, gates, head_weights, ape, seq, config, options, keywords=keywords, settings=settings,
                         stats=stats)

@@ -291,7 +291,8 @@ def move_queries(problem, comp, stats=None):
         j0, j1 = _within(seq.real_rows(peer), comp[me])
         if j1 > j0:
             recvs[peer] = (j1 - j0, row_bytes)
-    got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="balance_queries")
+    got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="balance_queries",
+                        timeout=problem.settings.comm_timeout)
     lo, hi = comp[me]
     q_parts, w_parts = [], []
     for peer in range(R):
@@ -328,7 +329,8 @@ def route_pools(problem, pools, comp, stats=None):
         i0, i1 = _within(seq.real_rows(), comp[peer])
         if i1 > i0:
             recvs[peer] = (i1 - i0, k_sel)
-    got = exchange_rows(sends, recvs, seq, dtype=torch.int32, device=device, stats=stats, tag="balance_pools")
+    got = exchange_rows(sends, recvs, seq, dtype=torch.int32, device=device, stats=stats, tag="balance_pools",
+                        timeout=problem.settings.comm_timeout)
     mine, out = seq.real_rows(), [pools[:0]]
     for peer in range(R):  # compute ranges ascend with the rank: pieces in row order
         i0, i1 = _within(mine, comp[peer])

@@ -58,6 +58,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,7 @@ __all__ = [
     "FORMAT",
     "PARAM_NAMES",
     "hook_for",
+    "check_directory",
     "enable",
     "capture_path",
     "write_capture",
@@ -252,24 +254,42 @@ class CaptureHook:
         return path
 
 
+def check_directory(name: str, directory: str | os.PathLike) -> Path:
+    """``directory`` as a ``Path``, created if missing, after writing (and removing) a
+    probe file in it: a capture directory that cannot be written fails here, when the
+    module is built, not after its first forward call. ``ValueError`` naming ``name``."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"{name}: expected a directory path (str or os.PathLike), got {type(directory).__name__}")
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{name}: expected a writable directory, got {str(path)!r} ({exc.strerror or exc})") from None
+    return path
+
+
 def hook_for(directory: str | os.PathLike | None, settings=None) -> CaptureHook | None:
     """The hook a new module gets: ``directory`` if given, else ``settings.capture_dir``
     (``$SP_KPOOL_CAPTURE_DIR``), else ``None`` (no capture); ``settings.capture_calls``
     (``$SP_KPOOL_CAPTURE_CALLS``) sets the number of calls. ``settings``: the process
-    settings when ``None``."""
-    from .settings import current_settings
+    settings when ``None``. The directory is checked (:func:`check_directory`)."""
+    from .settings import ENV, current_settings
 
     settings = settings if settings is not None else current_settings()
+    name = "capture_dir"
     if directory is None:
-        directory = settings.capture_dir
+        directory, name = settings.capture_dir, ENV["capture_dir"]
         if directory is None:
             return None
-    return CaptureHook(directory, settings.capture_calls)
+    return CaptureHook(check_directory(name, directory), settings.capture_calls)
 
 
 def enable(module, directory: str | os.PathLike | None, calls: int = 1, tag: str | None = None) -> CaptureHook | None:
-    """Turn capture on (or off with ``directory=None``) for a live ``KPoolIndexer``."""
-    hook = None if directory is None else CaptureHook(directory, calls, tag)
+    """Turn capture on (or off with ``directory=None``) for a live ``KPoolIndexer`` (the
+    directory is checked, :func:`check_directory`)."""
+    hook = None if directory is None else CaptureHook(check_directory("directory", directory), calls, tag)
     module._capture = hook
     return hook
 

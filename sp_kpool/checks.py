@@ -2,6 +2,11 @@
 
 Each raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, bad value)
 with a message that names the argument, the expected and the actual value.
+
+Integer-like values are accepted wherever an int is: Python ``int``, NumPy integer
+scalars and 0-d integer tensors (:func:`check_int`); wherever a list of ints is, also
+1-D NumPy integer arrays and integer tensors (:func:`check_int_list`). ``bool`` (Python,
+NumPy or tensor) and floats are refused, whatever their value.
 """
 
 from __future__ import annotations
@@ -10,16 +15,69 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["check_int", "check_choice", "check_tensor", "check_float_tensor"]
+__all__ = ["check_int", "check_int_list", "check_choice", "check_tensor", "check_float_tensor"]
 
 
-def check_int(name: str, value, minimum: int | None = None) -> int:
-    """``value`` as an int (``bool`` is refused); ``ValueError`` below ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
+def _is_bool(value) -> bool:
+    return isinstance(value, bool) or isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
+
+def _as_int(value):
+    """``value`` as a Python int if it is integer-like, else ``None``."""
+    if _is_bool(value):
+        return None
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex:
+            return None
+        return int(value.item())
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        kind = getattr(getattr(value, "dtype", None), "kind", None)
+        return int(value) if kind in ("i", "u") else None
+    return None
+
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python ``int``: an ``int``, a NumPy integer or a 0-d integer tensor
+    (``bool`` and floats are refused: ``TypeError``); ``ValueError`` outside
+    ``[minimum, maximum]`` (either bound optional)."""
+    number = _as_int(value)
+    if number is None:
         raise TypeError(f"{name}: expected int, got {value!r} of type {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
-    return value
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name}: expected >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name}: expected <= {maximum}, got {number}")
+    return number
+
+
+def check_int_list(name: str, values) -> list[int]:
+    """``values`` as a list of Python ints: a sequence of integer-like values, a 1-D NumPy
+    integer array or a 1-D integer tensor (any device). ``TypeError`` for anything else
+    (floats and bools included), naming the first bad entry."""
+    if isinstance(values, torch.Tensor) or type(values).__module__ == "numpy":
+        dtype = values.dtype
+        is_int = (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+                  if isinstance(values, torch.Tensor) else getattr(dtype, "kind", None) in ("i", "u"))  # fmt: skip
+        if not is_int:
+            raise TypeError(f"{name}: expected integers, got an array of dtype {dtype}")
+        if values.ndim != 1:
+            raise ValueError(f"{name}: expected a 1-D array, got shape {list(values.shape)}")
+        return [int(v) for v in values.tolist()]
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{name}: expected a list of ints, got {type(values).__name__}")
+    try:
+        items = list(values)
+    except TypeError:
+        raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got {type(values).__name__}") from None
+    out = []
+    for i, v in enumerate(items):
+        number = _as_int(v)
+        if number is None:
+            raise TypeError(f"{name}: expected integers, got {name}[{i}] = {v!r} of type {type(v).__name__}")
+        out.append(number)
+    return out
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> str:

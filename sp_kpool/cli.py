@@ -10,6 +10,63 @@ import time
 __all__ = ["main"]
 
 
+def _int_at_least(minimum: int):
+    """An argparse ``type=``: an int >= ``minimum`` (argparse names the flag, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(low: float, high: float | None = None, *, open_low: bool = False):
+    """An argparse ``type=``: a finite float in ``[low, high]`` (``(low, ...`` with ``open_low``)."""
+    want = f"{'>' if open_low else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {want}, got {text!r}") from None
+        ok = (value > low if open_low else value >= low) and (high is None or value <= high) and value < float("inf")
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected a number {want}, got {text}")
+        return value
+
+    return parse
+
+
+def _arm(text: str):
+    from .parity import Arm
+
+    try:
+        return Arm.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _check_operator_flags(parser: argparse.ArgumentParser, args) -> None:
+    """Flags that only together make an operator call: ``--topk`` a multiple of
+    ``--kpool``, ``--docs`` at most ``--tokens``, ``--rank`` below ``--world-size``."""
+    from .config import KPoolConfig
+
+    try:
+        KPoolConfig(topk=args.topk, kpool=args.kpool)
+    except ValueError as exc:
+        parser.error(f"argument --topk: {str(exc).removeprefix('topk: ')}")
+    if args.docs > args.tokens:
+        parser.error(f"argument --docs: expected at most --tokens = {args.tokens} documents, got {args.docs}")
+    rank = getattr(args, "rank", 0)
+    if not rank < args.world_size:
+        parser.error(f"argument --rank: expected < --world-size = {args.world_size}, got {rank}")
+
+
 def _cmd_info(args) -> int:
     import platform
 
@@ -19,15 +76,13 @@ def _cmd_info(args) -> int:
     from .backends import BACKENDS
     from .backends.base import Problem
     from .config import KPoolConfig
-    from .settings import Settings, current_settings
+    from .settings import current_settings
     from .sharding import ShardedSequence
 
     print(f"sp_kpool {__version__}, torch {torch.__version__}, python {platform.python_version()}")
-    try:
-        settings = current_settings()
-    except ValueError as exc:  # a bad variable: say which, then show the rest as defaults
-        print(f"settings: {exc}")
-        settings = Settings()
+    settings = current_settings()
+    if settings.env_error is not None:  # a bad variable: say which (it shows as its default)
+        print(f"settings: {settings.env_error}")
     print("settings (read once per process from the environment):")
     for var, value, source in settings.describe():
         print(f"  {var:<28} {value:<40} {source}")
@@ -58,7 +113,7 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .testing.dist import run_ranks
+    from .testing.dist import RanksFailed, run_ranks
     from .testing.problems import random_doc_lengths
 
     lengths = random_doc_lengths(args.tokens, args.docs, seed=args.seed)
@@ -68,7 +123,11 @@ def _cmd_demo(args) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    reports = run_ranks(_demo_rank, args.world_size, (lengths, args), timeout=args.timeout)
+    try:
+        reports = run_ranks(_demo_rank, args.world_size, (lengths, args), timeout=args.timeout)
+    except RanksFailed as exc:
+        print(f"FAIL: {exc}", file=sys.stderr)
+        return 1
     dt = time.perf_counter() - t0
     print(f"{'rank':>4}  {'shard':>15}  {'real rows':>9}  {'selected ids':>12}  equal to world size 1")
     for rep in reports:
@@ -91,7 +150,6 @@ def _cmd_parity(args) -> int:
     import tempfile
 
     from .parity import (
-        Arm,
         format_table,
         make_synthetic_capture,
         replay,
@@ -101,14 +159,12 @@ def _cmd_parity(args) -> int:
 
     progress = None if args.quiet else stderr_progress
     try:
-        a, b = Arm.parse(args.a), Arm.parse(args.b)
+        a, b = args.a, args.b
         with tempfile.TemporaryDirectory(prefix="sp_kpool_parity_") as tmp:
             capture = args.capture
             if args.synthetic:
                 if capture is not None:
                     raise ValueError(f"CAPTURE: not allowed with --synthetic (it writes its own), got {capture!r}")
-                if not 0 <= args.rank < args.world_size:
-                    raise ValueError(f"--rank: expected in [0, {args.world_size}), got {args.rank}")
                 where = args.capture_dir or (f"{args.out}/capture" if args.out else tmp)
                 if progress:
                     progress(
@@ -138,21 +194,25 @@ def _cmd_parity(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand; bad flags exit 2 with an argparse error naming the flag."""
+    from .backends import backend_names
+    from .settings import PRECISIONS
+
     ap = argparse.ArgumentParser(prog="python -m sp_kpool", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="print every backend, available or not, and why")
-    info.add_argument("--heads", type=int, default=64)
-    info.add_argument("--head-dim", type=int, default=128)
+    info.add_argument("--heads", type=_int_at_least(1), default=64)
+    info.add_argument("--head-dim", type=_int_at_least(1), default=128)
     demo = sub.add_parser("demo", help="a sharded CPU run (gloo) checked against world size 1")
-    demo.add_argument("--world-size", type=int, default=4)
-    demo.add_argument("--tokens", type=int, default=4099, help="global length (odd by default)")
-    demo.add_argument("--docs", type=int, default=5)
-    demo.add_argument("--heads", type=int, default=16)
-    demo.add_argument("--head-dim", type=int, default=64)
-    demo.add_argument("--kpool", type=int, default=4)
-    demo.add_argument("--topk", type=int, default=256)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--timeout", type=float, default=300.0)
+    demo.add_argument("--world-size", type=_int_at_least(1), default=4)
+    demo.add_argument("--tokens", type=_int_at_least(1), default=4099, help="global length (odd by default)")
+    demo.add_argument("--docs", type=_int_at_least(1), default=5, help="documents (at most --tokens)")
+    demo.add_argument("--heads", type=_int_at_least(1), default=16)
+    demo.add_argument("--head-dim", type=_int_at_least(1), default=64)
+    demo.add_argument("--kpool", type=_int_at_least(1), default=4)
+    demo.add_argument("--topk", type=_int_at_least(1), default=256, help="a multiple of --kpool")
+    demo.add_argument("--seed", type=_int_at_least(0), default=0)
+    demo.add_argument("--timeout", type=_float_in(0, open_low=True), default=300.0, help="seconds")
     par = sub.add_parser(
         "parity",
         help="replay a captured indexer call in two arms (precision[:backend]) and compare them",
@@ -163,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         "(fp8 vs fp8+decode: what the compression schedule changes).",
     )
     par.add_argument("capture", nargs="?", metavar="CAPTURE", help="a capture file (other ranks' files are read from its directory)")
-    par.add_argument("--a", default="fp8", help="arm A (default fp8)")
-    par.add_argument("--b", default="bf16-serving", help="arm B, the reference of relative errors (default bf16-serving)")
+    par.add_argument("--a", type=_arm, default="fp8", help="arm A (default fp8)")
+    par.add_argument("--b", type=_arm, default="bf16-serving", help="arm B, the reference of relative errors (default bf16-serving)")
     par.add_argument("--out", help="directory for parity.json, parity.txt, the PNGs (and the synthetic capture)")
     par.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     par.add_argument("--no-repeat", action="store_true", help="skip the second run of each arm (determinism check)")
@@ -173,23 +233,27 @@ def main(argv: list[str] | None = None) -> int:
     syn = par.add_argument_group("synthetic capture (--synthetic: random weights and inputs, real shapes)")
     syn.add_argument("--synthetic", action="store_true")
     syn.add_argument("--capture-dir", help="where the synthetic capture goes (default OUT/capture, else a temporary directory)")
-    syn.add_argument("--tokens", type=int, default=4096)
-    syn.add_argument("--docs", type=int, default=1)
-    syn.add_argument("--world-size", type=int, default=1)
-    syn.add_argument("--rank", type=int, default=0, help="which rank's file to replay")
-    syn.add_argument("--hidden-size", type=int, default=4096)
-    syn.add_argument("--q-lora-rank", type=int, default=1536)
-    syn.add_argument("--heads", type=int, default=32)
-    syn.add_argument("--head-dim", type=int, default=128)
-    syn.add_argument("--topk", type=int, default=2048)
-    syn.add_argument("--kpool", type=int, default=4)
-    syn.add_argument("--capture-precision", default="bf16", help="precision of the simulated live call")
-    syn.add_argument("--capture-backend", default="auto", help="backend of the simulated live call")
-    syn.add_argument("--seed", type=int, default=0)
-    syn.add_argument("--prompt-fraction", type=float, default=None,
+    syn.add_argument("--tokens", type=_int_at_least(1), default=4096)
+    syn.add_argument("--docs", type=_int_at_least(1), default=1)
+    syn.add_argument("--world-size", type=_int_at_least(1), default=1)
+    syn.add_argument("--rank", type=_int_at_least(0), default=0, help="which rank's file to replay")
+    syn.add_argument("--hidden-size", type=_int_at_least(1), default=4096)
+    syn.add_argument("--q-lora-rank", type=_int_at_least(1), default=1536)
+    syn.add_argument("--heads", type=_int_at_least(1), default=32)
+    syn.add_argument("--head-dim", type=_int_at_least(1), default=128)
+    syn.add_argument("--topk", type=_int_at_least(1), default=2048)
+    syn.add_argument("--kpool", type=_int_at_least(1), default=4)
+    syn.add_argument("--capture-precision", choices=PRECISIONS, default="bf16", help="precision of the simulated live call")
+    syn.add_argument("--capture-backend", choices=backend_names(), default="auto", help="backend of the simulated live call")
+    syn.add_argument("--seed", type=_int_at_least(0), default=0)
+    syn.add_argument("--prompt-fraction", type=_float_in(0, 1), default=None,
                      help="record prompt lengths of this fraction of every document (the serving compression "
                           "schedule: prompt pools in extend order); default: none (all decode)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.cmd == "demo":
+        _check_operator_flags(demo, args)
+    elif args.cmd == "parity" and args.synthetic:
+        _check_operator_flags(par, args)
     return {"info": _cmd_info, "demo": _cmd_demo, "parity": _cmd_parity}[args.cmd](args)
 
 

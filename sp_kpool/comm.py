@@ -22,12 +22,17 @@ gather function.
 from __future__ import annotations
 
 import functools
+import time
+from datetime import timedelta
 from typing import Sequence
 
 import torch
 
 from ._device import to_device
+from .settings import DEFAULT_COMM_TIMEOUT, ENV
 from .sharding import ShardedSequence
+
+TIMEOUT_VARIABLE = ENV["comm_timeout"]
 
 __all__ = [
     "CommStats",
@@ -42,6 +47,7 @@ __all__ = [
     "gather_keys",
     "real_order",
     "take_rows",
+    "wait_or_raise",
 ]
 
 
@@ -108,19 +114,40 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def _finish(works, seq: ShardedSequence, timeout: float | None, what: str) -> None:
+    """Wait for the async collectives ``works``: on gloo at most ``timeout`` seconds each
+    (:func:`wait_or_raise`; ``None``: the process group's own timeout). On NCCL the host
+    does not wait (the device stream does): a hung peer is caught by the process group's
+    timeout (its watchdog), so the host keeps running ahead of the device."""
+    nccl = "nccl" in str(_dist().get_backend(seq.group)).lower()
+    for work in works:
+        if timeout is None or nccl:
+            work.wait()
+        else:
+            wait_or_raise(work, timeout, what)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
 def all_gather_rows(
-    x: torch.Tensor, seq: ShardedSequence, *, stats: CommStats | None = None, tag: str = "all_gather"
-) -> torch.Tensor:
+    x: torch.Tensor, seq: ShardedSequence, *, stats: CommStats | None = None, tag: str = "all_gather",
+    timeout: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """All-gather equal row shards: ``x_shard [S / R, *F]`` -> ``x [S, *F]`` (rank order).
 
     With world size 1 the input is returned as is. The result is on ``x.device``.
+    ``timeout``: seconds to wait on gloo (see :func:`_finish`).
     """
     if seq.world_size == 1:
         return x
     dev = comm_device(seq)
     src = x.contiguous().to(dev)
     out = torch.empty((seq.world_size * src.shape[0], *src.shape[1:]), dtype=src.dtype, device=dev)
-    _gather_into_tensor()(out, src, group=seq.group)
+    _finish([_gather_into_tensor()(out, src, group=seq.group, async_op=True)], seq, timeout, f"all-gather ({tag})")
     if stats is not None:
         moved = (seq.world_size - 1) * _nbytes(src)
         stats.add(tag, moved, moved)
@@ -139,15 +166,16 @@ def take_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, to_device(index, x.device))
 
 
-def gather_keys(x: torch.Tensor, seq: ShardedSequence, stats: CommStats | None = None) -> torch.Tensor:
+def gather_keys(x: torch.Tensor, seq: ShardedSequence, stats: CommStats | None = None,
+                timeout: float | None = None) -> torch.Tensor:  # fmt: skip
     """Every rank's rows of ``x [S_local, *F]`` in real-row order: ``[N, *F]`` (``N`` real
     rows; in the contiguous layout ``[S, *F]``, the padding rows last). One all-gather
     (of rows padded to the largest rank's count when counts differ), then, unless the
     layout is contiguous, one ``index_select`` into real-row order."""
     if seq.is_contiguous:
-        return all_gather_rows(x, seq, stats=stats, tag="gather_keys")
+        return all_gather_rows(x, seq, stats=stats, tag="gather_keys", timeout=timeout)
     counts = [p.numel() for p in seq.rank_positions]
-    return real_order(all_gather_uneven_rows(x, counts, seq, stats=stats, tag="gather_keys"), seq)
+    return real_order(all_gather_uneven_rows(x, counts, seq, stats=stats, tag="gather_keys", timeout=timeout), seq)
 
 
 def real_order(full: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
@@ -166,6 +194,7 @@ def all_gather_uneven_rows(
     *,
     stats: CommStats | None = None,
     tag: str = "all_gather_uneven",
+    timeout: float | None = None,
 ) -> torch.Tensor:
     """All-gather row blocks of known, unequal sizes: ``x [counts[rank], *F]`` ->
     ``[sum(counts), *F]`` in rank order.
@@ -186,7 +215,7 @@ def all_gather_uneven_rows(
         return x.new_empty((0, *x.shape[1:]))
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[: x.shape[0]] = x
-    full = all_gather_rows(padded, seq, stats=stats, tag=tag)
+    full = all_gather_rows(padded, seq, stats=stats, tag=tag, timeout=timeout)
     return torch.cat([full[r * width : r * width + int(c)] for r, c in enumerate(counts)])
 
 
@@ -199,6 +228,7 @@ def exchange_rows(
     device: torch.device,
     stats: CommStats | None = None,
     tag: str = "exchange",
+    timeout: float | None = None,
 ) -> dict[int, torch.Tensor]:
     """Point-to-point exchange in one ``batch_isend_irecv``: returns ``{peer: tensor}``.
 
@@ -233,8 +263,7 @@ def exchange_rows(
             ops.append(dist.P2POp(dist.isend, src, global_rank(peer), seq.group))
             sent += _nbytes(src)
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        _finish(dist.batch_isend_irecv(ops), seq, timeout, f"point-to-point exchange ({tag})")
     if stats is not None and (sent or received):
         stats.add(tag, sent, received)
     return {peer: buf.to(device) for peer, buf in out.items()}
@@ -278,43 +307,122 @@ def unpack_rows(buf: torch.Tensor, layout: list[tuple[torch.dtype, tuple[int, ..
     return out
 
 
+#: Exception types the agreement carries from a rank to every rank (code: index + 1; 0:
+#: no error). Any other exception of a rank's checks travels as ``RuntimeError``.
+_ERROR_TYPES = (ValueError, TypeError, RuntimeError)
+
+
+def _error_code(error) -> int:
+    if error is None:
+        return 0
+    if isinstance(error, str):
+        return 1
+    return next((i + 1 for i, t in enumerate(_ERROR_TYPES) if isinstance(error, t)), len(_ERROR_TYPES))
+
+
+def wait_or_raise(work, timeout: float, what: str) -> None:
+    """Wait for the collective ``work`` (``async_op=True``) at most ``timeout`` seconds.
+
+    Raises ``TimeoutError`` when it has not completed by then (a rank died, stopped
+    answering or did not make the call), ``RuntimeError`` when the backend failed earlier
+    (gloo: a peer closed its connection); both name ``what``. After either the process
+    group is not safe to use again (collectives may be left half done): end the job.
+    """
+    t0 = time.monotonic()
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        waited = time.monotonic() - t0
+        if waited >= 0.99 * timeout:
+            raise TimeoutError(
+                f"{what}: not every rank answered within {timeout:g} s ({TIMEOUT_VARIABLE}): a rank died, "
+                f"stopped answering or did not make this call"
+            ) from exc
+        # the backend's text (addresses, ports) differs between ranks: it is the cause, not the message
+        raise RuntimeError(f"{what}: the collective failed before the {timeout:g} s timeout ({TIMEOUT_VARIABLE}): a "
+                           f"rank died or closed its connection (the cause is the backend's error)") from exc  # fmt: skip
+
+
+def _all_gather_timed(x: torch.Tensor, seq, timeout: float, what: str) -> torch.Tensor:
+    """``[world, *x.shape]``: every rank's ``x``, in rank order, within ``timeout`` s."""
+    out = torch.empty((seq.world_size, *x.shape), dtype=x.dtype, device=x.device)
+    wait_or_raise(_gather_into_tensor()(out, x[None].contiguous(), group=seq.group, async_op=True), timeout, what)
+    return out
+
+
+def _describe_disagreement(entry, col: list[int]) -> str:
+    names = entry[2] if len(entry) > 2 else None  # code -> value, for the message
+    shown = [names.get(v, v) for v in col] if names else col
+    counts = {v: col.count(v) for v in col}
+    reference = max(col, key=lambda v: (counts[v], -col.index(v)))  # the most common; ties: lowest rank's
+    odd = [r for r, v in enumerate(col) if v != reference]
+    which = f"rank {odd[0]} differs" if len(odd) == 1 else f"ranks {', '.join(map(str, odd))} differ"
+    return f"{entry[0]}: per rank {shown} ({which})"
+
+
 def agree_or_raise(
-    seq: ShardedSequence,
-    local_error: str | None,
-    signature: Sequence[tuple[str, int]],
+    seq,
+    local_error: BaseException | str | None,
+    signature: Sequence[tuple],
     *,
     stats: CommStats | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Fail on every rank alike if any rank saw bad input or ranks disagree.
 
-    Every rank contributes an error flag and a ``signature`` of named integers that must be
-    equal everywhere (shapes, options, a hash of ``cu_seq_lens``): ``(name, value)`` or
-    ``(name, code, {code: value})``, whose message shows the values. One small all-gather
-    carries them; only when something is wrong a second, object all-gather carries the
-    error texts. Every rank then raises the same ``ValueError``, naming the ranks.
-    With world size 1 this raises ``local_error`` directly (no communication).
+    ``seq``: the ``ShardedSequence`` (or anything with its ``group``, ``rank`` and
+    ``world_size``; the pipeline passes the process group's own). Every rank contributes
+    its error (``local_error``: the exception of its checks, or its text) and a
+    ``signature`` of named integers that must be equal everywhere (shapes, options, a hash
+    of ``cu_seq_lens``): ``(name, value)`` or ``(name, code, {code: value})``, whose
+    message shows the values. One small all-gather carries them; only when a rank failed,
+    a second one carries the error texts.
+
+    Then every rank raises the same exception with the same message: the type of the
+    error of the lowest failing rank (``ValueError``, ``TypeError``, else
+    ``RuntimeError``) naming the failing ranks and their errors; or a ``ValueError`` naming
+    each disagreeing entry, its value on every rank and the ranks that differ. The failing
+    rank's own exception is chained as the cause. Both collectives wait at most
+    ``timeout`` seconds (default :data:`~sp_kpool.settings.DEFAULT_COMM_TIMEOUT`;
+    :func:`wait_or_raise`). With world size 1 this raises ``local_error`` itself (no
+    communication).
     """
+    code = _error_code(local_error)
     if seq.world_size == 1:
+        if isinstance(local_error, BaseException):
+            raise local_error
         if local_error is not None:
             raise ValueError(local_error)
         return
-    import torch.distributed as dist
-
+    timeout = DEFAULT_COMM_TIMEOUT if timeout is None else timeout
     dev = comm_device(seq)
-    vec = torch.tensor([1 if local_error else 0] + [int(e[1]) for e in signature], dtype=torch.int64, device=dev)
-    allv = all_gather_rows(vec[None], seq, stats=stats, tag="validate").cpu()  # [world, 1 + n]
+    text = b"" if local_error is None else str(local_error).encode()
+    vec = torch.tensor([code, len(text)] + [int(e[1]) for e in signature], dtype=torch.int64, device=dev)
+    allv = _all_gather_timed(vec, seq, timeout, "agreement").cpu()  # [world, 2 + n]
+    if stats is not None:
+        moved = (seq.world_size - 1) * _nbytes(vec)
+        stats.add("validate", moved, moved)
     failed = [r for r in range(seq.world_size) if int(allv[r, 0])]
+    cause = local_error if isinstance(local_error, BaseException) else None
     if failed:
-        texts: list = [None] * seq.world_size
-        dist.all_gather_object(texts, local_error, group=seq.group)
-        lines = [f"rank {r}: {texts[r]}" for r in failed]
-        raise ValueError("invalid input on rank(s) %s:\n  %s" % (failed, "\n  ".join(lines)))
+        width = max(1, int(allv[:, 1].max()))
+        buf = torch.zeros(width, dtype=torch.uint8)
+        if text:
+            buf[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        texts = _all_gather_timed(buf.to(dev), seq, timeout, "agreement (error texts)").cpu()
+        lines = []
+        for r in failed:
+            kind = _ERROR_TYPES[int(allv[r, 0]) - 1].__name__
+            message = bytes(texts[r, : int(allv[r, 1])].tolist()).decode(errors="replace")
+            lines.append(f"rank {r}: {kind}: {message}")
+        error_type = _ERROR_TYPES[int(allv[failed[0], 0]) - 1]
+        where = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
+        raise error_type(f"invalid input on {where} of {seq.world_size}:\n  " + "\n  ".join(lines)) from cause
     mismatched = []
-    for i, entry in enumerate(signature, start=1):
+    for i, entry in enumerate(signature, start=2):
         col = allv[:, i].tolist()
         if any(v != col[0] for v in col):
-            names = entry[2] if len(entry) > 2 else None  # code -> value, for the message
-            mismatched.append(f"{entry[0]}: per rank {[names.get(v, v) for v in col] if names else col}")
+            mismatched.append(_describe_disagreement(entry, col))
     if mismatched:
         raise ValueError(
             "ranks disagree on values that must be equal on every rank:\n  " + "\n  ".join(mismatched)
@@ -340,7 +448,10 @@ def gather_positions(positions: torch.Tensor, error: str | None, *, world_size: 
     dev = _group_device(group)
     head = torch.tensor([[1 if error else 0, positions.numel()]], dtype=torch.int64, device=dev)
     heads = torch.empty((world_size, 2), dtype=torch.int64, device=dev)
-    _gather_into_tensor()(heads, head, group=group)
+    from .settings import current_settings
+
+    timeout = current_settings().comm_timeout
+    wait_or_raise(_gather_into_tensor()(heads, head, group=group, async_op=True), timeout, "from_positions")
     heads = heads.cpu()
     failed = [r for r in range(world_size) if int(heads[r, 0])]
     if failed:
@@ -352,6 +463,6 @@ def gather_positions(positions: torch.Tensor, error: str | None, *, world_size: 
     buf = torch.full((width,), -1, dtype=torch.int64, device=dev)
     buf[: positions.numel()] = positions.to(dev)
     full = torch.empty((world_size * width,), dtype=torch.int64, device=dev)
-    _gather_into_tensor()(full, buf, group=group)
+    wait_or_raise(_gather_into_tensor()(full, buf, group=group, async_op=True), timeout, "from_positions")
     full = full.cpu()
     return [full[r * width : r * width + c].clone() for r, c in enumerate(counts)]

@@ -21,7 +21,9 @@ from typing import Any
 from .checks import check_choice, check_int
 from .settings import PRECISIONS, Settings
 
-__all__ = ["KPoolConfig", "RunOptions", "TAILS", "ORDERS", "GATHERS", "BALANCES", "split_keywords", "output_width"]
+__all__ = [
+    "KPoolConfig", "RunOptions", "TAILS", "ORDERS", "GATHERS", "BALANCES", "MAX_WIDTH", "split_keywords", "output_width",
+]  # fmt: skip
 
 #: ``tail=``: history in ``[0, topk)`` and the tail after it (``fixed``), or the tail right
 #: after the valid history (``compact``, as serving lays it out).
@@ -42,8 +44,26 @@ def output_width(topk: int, kpool: int, alignment: int) -> int:
     return -(-w // alignment) * alignment
 
 
+#: The widest output row: ids and columns are int32.
+MAX_WIDTH = 2**31 - 1
+
+
 def _index(value, choices) -> int:
     return choices.index(value) if value in choices else -1
+
+
+def _choice_entry(name: str, value, choices) -> tuple[str, int, dict]:
+    """A signature entry whose disagreement message shows the values, not their codes."""
+    return (name, _index(value, choices), {-1: "unset", **dict(enumerate(choices))})
+
+
+def _optional(value) -> int:
+    return value if value is not None else -1
+
+
+def _set_int(record, name: str, minimum: int, maximum: int | None = None) -> None:
+    """Validate the integer-like field ``name`` of a frozen record and store it as an ``int``."""
+    object.__setattr__(record, name, check_int(name, getattr(record, name), minimum, maximum))
 
 
 @dataclass(frozen=True)
@@ -70,16 +90,20 @@ class KPoolConfig:
     max_logits_bytes: int | None = None
 
     def __post_init__(self):
-        check_int("kpool", self.kpool, 1)
-        check_int("topk", self.topk, 1)
+        _set_int(self, "kpool", 1)
+        # output columns and ids are int32: align(topk + kpool - 1) must stay below 2**31
+        _set_int(self, "topk", 1, MAX_WIDTH - self.kpool + 1)
         if self.topk % self.kpool:
             raise ValueError(
                 f"topk: expected a multiple of kpool = {self.kpool}, got {self.topk} "
                 f"(topk % kpool = {self.topk % self.kpool})"
             )
-        check_int("alignment", self.alignment, 1)
+        _set_int(self, "alignment", 1)
+        if self.width > MAX_WIDTH:
+            raise ValueError(f"alignment: the output width align(topk + kpool - 1, {self.alignment}) = {self.width} "
+                             f"exceeds {MAX_WIDTH} (int32 columns)")  # fmt: skip
         if self.max_logits_bytes is not None:
-            check_int("max_logits_bytes", self.max_logits_bytes, 1)
+            _set_int(self, "max_logits_bytes", 1)
         check_choice("tail", self.tail, TAILS)
         check_choice("order", self.order, ORDERS)
         if self.precision is not None:
@@ -111,11 +135,11 @@ class KPoolConfig:
         return [
             ("topk", self.topk),
             ("kpool", self.kpool),
-            ("tail", _index(self.tail, TAILS)),
-            ("order", _index(self.order, ORDERS)),
+            _choice_entry("tail", self.tail, TAILS),
+            _choice_entry("order", self.order, ORDERS),
             ("alignment", self.alignment),
-            ("max_logits_bytes", self.max_logits_bytes if self.max_logits_bytes is not None else -1),
-            ("precision", _index(self.precision, PRECISIONS)),
+            ("max_logits_bytes", _optional(self.max_logits_bytes)),
+            _choice_entry("precision", self.precision, PRECISIONS),
         ]
 
     def record(self) -> dict[str, Any]:
@@ -138,6 +162,9 @@ class RunOptions:
         (``None``: the scoring chunk of the backend).
     balance_row_cost: the per-row constant of the balance work model (``None``: the
         backend's ``balance_row_cost``).
+    check_finite: raise (on every rank) if an input tensor holds a NaN or an infinity,
+        naming the tensor and its first such row, at the cost of one device-to-host read
+        (``None``: the settings' ``check_finite``, ``$SP_KPOOL_CHECK_FINITE``, default off).
     """
 
     backend: str = "torch"
@@ -145,16 +172,22 @@ class RunOptions:
     balance: str = "none"
     balance_block: int | None = None
     balance_row_cost: int | None = None
+    check_finite: bool | None = None
 
     def __post_init__(self):
+        from .backends import backend_names  # here: the backends import this module
+
         if not isinstance(self.backend, str):
             raise TypeError(f"backend: expected a backend name (str), got {self.backend!r}")
+        check_choice("backend", self.backend, backend_names())
         check_choice("gather", self.gather, GATHERS)
         check_choice("balance", self.balance, BALANCES)
         if self.balance_block is not None:
-            check_int("balance_block", self.balance_block, 1)
+            _set_int(self, "balance_block", 1)
         if self.balance_row_cost is not None:
-            check_int("balance_row_cost", self.balance_row_cost, 0)
+            _set_int(self, "balance_row_cost", 0)
+        if self.check_finite is not None and not isinstance(self.check_finite, bool):
+            raise TypeError(f"check_finite: expected a bool or None, got {self.check_finite!r}")
 
     def replace(self, **changes) -> "RunOptions":
         return dataclasses.replace(self, **changes)
@@ -162,10 +195,10 @@ class RunOptions:
     def signature(self) -> list[tuple[str, int]]:
         """Integers that must agree on every rank (the backend is compared once resolved)."""
         return [
-            ("gather", _index(self.gather, GATHERS)),
-            ("balance", _index(self.balance, BALANCES)),
-            ("balance_block", self.balance_block if self.balance_block is not None else -1),
-            ("balance_row_cost", self.balance_row_cost if self.balance_row_cost is not None else -1),
+            _choice_entry("gather", self.gather, GATHERS),
+            _choice_entry("balance", self.balance, BALANCES),
+            ("balance_block", _optional(self.balance_block)),
+            ("balance_row_cost", _optional(self.balance_row_cost)),
         ]
 
     def record(self) -> dict[str, Any]:

@@ -30,6 +30,13 @@ from .sharding import ShardedSequence
 __all__ = ["KPoolIndexer"]
 
 
+def _autocast_on(device: torch.device) -> bool:
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except (RuntimeError, TypeError):  # a device type without autocast
+        return False
+
+
 class KPoolIndexer(nn.Module):
     """Frozen KPool indexer (forward only) that runs :func:`sp_kpool.kpool_topk`.
 
@@ -42,19 +49,20 @@ class KPoolIndexer(nn.Module):
             arithmetic, from one resolution per call.
         tail, order, alignment, max_logits_bytes: the rest of the call's
             :class:`~sp_kpool.config.KPoolConfig` (see ``kpool_topk``).
-        backend, gather, balance, balance_block, balance_row_cost: its
+        backend, gather, balance, balance_block, balance_row_cost, check_finite: its
             :class:`~sp_kpool.config.RunOptions` (none changes an output bit).
         device, dtype: of the parameters; ``weights_proj.weight`` and ``k_norm`` are stored
             in FP32 whatever ``dtype`` (as serving builds them; ``module.to(dtype)`` keeps
             them FP32), and ``bf16`` computes with them in the module dtype.
         capture_dir: record the inputs of the first forward call(s) to ``safetensors`` files
             in this directory, one per rank (default ``settings.capture_dir``,
-            ``$SP_KPOOL_CAPTURE_DIR``; unset: no capture). See :mod:`sp_kpool.capture`;
-            replay with ``python -m sp_kpool parity``.
+            ``$SP_KPOOL_CAPTURE_DIR``; unset: no capture), created and checked for writing
+            here. See :mod:`sp_kpool.capture`; replay with ``python -m sp_kpool parity``.
         settings: the process settings (default: read once from the environment).
 
     Attributes ``config`` (:class:`~sp_kpool.config.KPoolConfig`) and ``options``
-    (:class:`~sp_kpool.config.RunOptions`) hold the call settings, validated here.
+    (:class:`~sp_kpool.config.RunOptions`) hold the call settings, validated here: every
+    option raises ``ValueError``/``TypeError`` at construction, naming it.
     """
 
     def __init__(
@@ -76,28 +84,34 @@ class KPoolIndexer(nn.Module):
         balance: str = "none",
         balance_block: int | None = None,
         balance_row_cost: int | None = None,
+        check_finite: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         capture_dir: str | None = None,
         settings: Settings | None = None,
     ) -> None:
         super().__init__()
-        for name, v in (
-            ("hidden_size", hidden_size),
-            ("q_lora_rank", q_lora_rank),
-            ("index_n_heads", index_n_heads),
-            ("index_head_dim", index_head_dim),
-            ("index_topk", index_topk),
-            ("index_kpool", index_kpool),
-        ):
-            check_int(name, v, 1)
+        hidden_size, q_lora_rank, index_n_heads, index_head_dim, index_topk, index_kpool = (
+            check_int(name, v, 1) for name, v in (
+                ("hidden_size", hidden_size),
+                ("q_lora_rank", q_lora_rank),
+                ("index_n_heads", index_n_heads),
+                ("index_head_dim", index_head_dim),
+                ("index_topk", index_topk),
+                ("index_kpool", index_kpool),
+            )
+        )  # fmt: skip
         if index_topk % index_kpool:
             raise ValueError(f"index_topk: expected a multiple of index_kpool = {index_kpool}, got {index_topk}")
+        if settings is not None and not isinstance(settings, Settings):
+            raise TypeError(f"settings: expected a Settings, got {type(settings).__name__}")
         self.settings = settings if settings is not None else current_settings()
+        # every option is validated here, by the records (a bad backend, tail, ... fails now,
+        # not at the first forward call)
         self.config = KPoolConfig(topk=index_topk, kpool=index_kpool, tail=tail, order=order, alignment=alignment,
                                   precision=precision, max_logits_bytes=max_logits_bytes)  # fmt: skip
         self.options = RunOptions(backend=backend, gather=gather, balance=balance, balance_block=balance_block,
-                                  balance_row_cost=balance_row_cost)  # fmt: skip
+                                  balance_row_cost=balance_row_cost, check_finite=check_finite)  # fmt: skip
         fk = {"device": device, "dtype": dtype}
         self.hidden_size = hidden_size
         self.n_heads = index_n_heads
@@ -158,10 +172,17 @@ class KPoolIndexer(nn.Module):
         [S_local, D]`` and ``ape [K, D]`` in the module dtype, and ``head_weights
         [S_local, H]``: float32 in the serving modes, the module dtype in ``bf16``.
         """
-        for name, x, width in (("hidden", hidden, self.hidden_size), ("q_resid", q_resid, self.wq_b.in_features)):
-            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != width:
-                got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"{name}: expected shape [S_local, {width}], got {got}")
+        for name, x, param in (("hidden", hidden, self.wk.weight), ("q_resid", q_resid, self.wq_b.weight)):
+            width = param.shape[1]
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 2 or x.shape[1] != width:
+                raise ValueError(f"{name}: expected shape [S_local, {width}], got {list(x.shape)}")
+            if x.device != param.device:
+                raise ValueError(f"{name}: expected device {param.device} (the parameters' device), got {x.device}")
+            if x.dtype != param.dtype and not _autocast_on(x.device):
+                raise ValueError(f"{name}: expected dtype {param.dtype} (the parameters' dtype; or run under "
+                                 f"autocast), got {x.dtype}")  # fmt: skip
         if hidden.shape[0] != q_resid.shape[0]:
             raise ValueError(
                 f"q_resid: expected {hidden.shape[0]} rows (as hidden), got {q_resid.shape[0]}"
@@ -187,10 +208,15 @@ class KPoolIndexer(nn.Module):
         """Selected global token ids ``[S_local, align(T + K - 1, alignment)]`` int32, ``-1`` unused.
 
         ``hidden`` ``[S_local, hidden_size]`` and ``q_resid`` ``[S_local, q_lora_rank]`` are
-        this rank's rows of the packed sequence described by ``seq``.
+        this rank's rows of the packed sequence described by ``seq``. Bad input on any rank
+        (here or in ``kpool_topk``) makes every rank raise the same error, before any data
+        moves.
         """
-        config = self.config.replace(precision=resolve_precision(self.precision, self.settings))  # one resolution
-        prepared = self.prepare(hidden, q_resid, config.precision)
+        try:
+            config = self.config.replace(precision=resolve_precision(self.precision, self.settings))  # one resolution
+            prepared = self.prepare(hidden, q_resid, config.precision)
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait in their agreement: tell them
+            pipeline.fail_on_every_rank(seq, exc, self.settings)
         ids = pipeline.run(**prepared, seq=seq, config=config, options=self.options, settings=self.settings)
         if self._capture is not None:  # after the result: capturing never changes it
             self._capture(self, hidden, q_resid, seq, config, prepared, ids)

@@ -131,7 +131,8 @@ def _halo_rows(problem: Any, owners: PoolOwners, stats: CommStats | None) -> tup
         n = int((owner[need] == peer).sum())
         if n:
             recvs[peer] = (n, row_bytes)
-    got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="seam")
+    got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="seam",
+                        timeout=problem.settings.comm_timeout)
     local = owner[need] == me
     k_ext = k.new_empty((need.numel(), k.shape[1]))
     g_ext = gates.new_empty((need.numel(), gates.shape[1]))
@@ -163,7 +164,8 @@ def _gather_pools_any_layout(backend: Any, problem: Any, pool_tok_start: torch.T
         pooled = _pool_local(backend, problem, k_ext, g_ext, local, extend)
     with stage(problem, "gather"):
         buf, layout = pack_rows(pooled.parts())
-        full = all_gather_uneven_rows(buf, owners.counts, seq, stats=stats, tag="gather_pools")
+        full = all_gather_uneven_rows(buf, owners.counts, seq, stats=stats, tag="gather_pools",
+                                      timeout=problem.settings.comm_timeout)
         order = torch.argsort(torch.cat(owners.pools))  # rank order -> pool order
         return Pools.from_parts(unpack_rows(full.index_select(0, to_device(order, full.device)), layout))
 
@@ -187,7 +189,8 @@ def _seam_rows(problem: Any, shards: PoolShards, stats: CommStats | None) -> tup
         a, b = max(peer * ss, shards.halo[me][0]), min((peer + 1) * ss, shards.halo[me][1])
         if b > a:
             recvs[peer] = (b - a, row_bytes)
-    got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="seam")
+    got = exchange_rows(sends, recvs, seq, dtype=torch.uint8, device=device, stats=stats, tag="seam",
+                        timeout=problem.settings.comm_timeout)
     if not got:
         return k, gates
     k_parts, g_parts = [k], [gates]
@@ -252,5 +255,6 @@ def gather_pools(
         return pooled
     with stage(problem, "gather"):
         buf, layout = pack_rows(pooled.parts())  # one collective for values and scales
-        full = all_gather_uneven_rows(buf, shards.counts, seq, stats=stats, tag="gather_pools")
+        full = all_gather_uneven_rows(buf, shards.counts, seq, stats=stats, tag="gather_pools",
+                                      timeout=problem.settings.comm_timeout)
         return Pools.from_parts(unpack_rows(full, layout))

@@ -29,13 +29,18 @@ SERVING_PRECISIONS = ("bf16-serving", "fp8")
 
 
 def default_precision() -> str:
-    """The process default (``Settings.precision``, read once)."""
-    return current_settings().precision
+    """The process default (``Settings.precision``, read once; ``ValueError`` if the
+    environment could not be read)."""
+    settings = current_settings()
+    settings.check()
+    return settings.precision
 
 
 def resolve_precision(precision: str | None, settings=None) -> str:
     """``precision`` itself if given (validated), else the default of ``settings`` (the
     process settings when ``None``)."""
     if precision is None:
-        return (settings or current_settings()).precision
+        settings = settings or current_settings()
+        settings.check()  # a variable that could not be read: say so rather than use a default
+        return settings.precision
     return check_choice("precision", precision, PRECISIONS)

@@ -21,7 +21,18 @@ variable                       meaning                                          
 ``SP_KPOOL_CAPTURE_DIR``       capture the inputs of every ``KPoolIndexer``     off
                                built afterwards into this directory
 ``SP_KPOOL_CAPTURE_CALLS``     forward calls captured per module                ``1``
+``SP_KPOOL_CHECK_FINITE``      ``1``: default ``check_finite=True`` (raise on   ``0``
+                               NaN or infinity in an input tensor)
+``SP_KPOOL_COMM_TIMEOUT``      seconds a rank waits for the other ranks in the  ``600``
+                               agreement (and, on gloo, in every collective)
+                               before it raises ``TimeoutError``
 =============================  ==============================================  ===========
+
+A variable that cannot be read does not make one rank raise alone: the process settings
+(:func:`current_settings`) record the error (``Settings.env_error``; that variable takes
+its default), and the operator raises it inside its agreement, so that every rank raises
+the same ``ValueError`` (``python -m sp_kpool info`` prints it too).
+:meth:`Settings.from_env` itself raises at once.
 
 A test or script that needs another value builds ``Settings(...)`` (or
 ``Settings.from_env(mapping)``) and passes it (``kpool_topk(..., settings=...)``), instead
@@ -51,7 +62,15 @@ ENV = {
     "tilelang_config": "SP_KPOOL_TILELANG_CONFIG",
     "capture_dir": "SP_KPOOL_CAPTURE_DIR",
     "capture_calls": "SP_KPOOL_CAPTURE_CALLS",
+    "check_finite": "SP_KPOOL_CHECK_FINITE",
+    "comm_timeout": "SP_KPOOL_COMM_TIMEOUT",
 }
+
+#: Seconds a rank waits in the agreement (the first collective of every call) for the
+#: other ranks: long enough for ranks that reach the call minutes apart (a first call
+#: that compiles kernels), short enough that a rank that died or never calls does not
+#: hold the others for the process group's timeout (30 minutes by default with NCCL).
+DEFAULT_COMM_TIMEOUT = 600.0
 
 #: Logits budget without ``SP_KPOOL_MAX_LOGITS_BYTES``: 2 GiB on CUDA devices (fewer,
 #: larger chunks; each chunk costs host work) and 256 MiB elsewhere. Ranks on the same
@@ -72,6 +91,11 @@ class Settings:
         or ``None`` (the per-H default).
     capture_dir: capture directory for new ``KPoolIndexer`` modules, or ``None``.
     capture_calls: calls captured per module.
+    check_finite: default of the operator's ``check_finite=`` (raise on non-finite inputs).
+    comm_timeout: seconds the agreement (and on gloo every collective) waits for the other
+        ranks (``> 0``).
+    env_error: the error of a variable that :func:`current_settings` could not read
+        (raised by the operator inside its agreement, on every rank alike), or ``None``.
     """
 
     precision: str = "bf16"
@@ -81,6 +105,9 @@ class Settings:
     tilelang_config: tuple[int, ...] | None = None
     capture_dir: str | None = None
     capture_calls: int = 1
+    check_finite: bool = False
+    comm_timeout: float = DEFAULT_COMM_TIMEOUT
+    env_error: str | None = None
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -96,51 +123,41 @@ class Settings:
         calls = self.capture_calls
         if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
             raise ValueError(f"{ENV['capture_calls']}: expected a non-negative integer, got {calls!r}")
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"{ENV['check_finite']}: expected 0 or 1, got {self.check_finite!r}")
+        t = self.comm_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"{ENV['comm_timeout']}: expected a positive number of seconds, got {t!r}")
+
+    def check(self) -> None:
+        """Raise ``ValueError`` with :attr:`env_error` if a variable could not be read."""
+        if self.env_error is not None:
+            raise ValueError(self.env_error)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, strict: bool = True) -> "Settings":
         """Settings from ``environ`` (default ``os.environ``); unset or blank variables take
-        the defaults. Raises ``ValueError`` naming the variable, the expected and the actual
-        value."""
+        the defaults. A bad value raises ``ValueError`` naming the variable, the expected
+        and the actual value; with ``strict=False`` that variable takes its default and the
+        errors are kept in :attr:`env_error` instead (joined by ``; ``)."""
         env = os.environ if environ is None else environ
-
-        def raw(name: str) -> str | None:
-            value = env.get(ENV[name], "").strip()
-            return value or None
-
-        def integer(name: str, minimum: int, expected: str) -> int | None:
-            value = raw(name)
-            if value is None:
-                return None
+        values, errors = {}, []
+        for name, parse in _PARSERS.items():
+            raw = env.get(ENV[name], "").strip()
+            if not raw:
+                continue
             try:
-                number = int(value)
-            except ValueError:
-                raise ValueError(f"{ENV[name]}: expected {expected}, got {value!r}") from None
-            if number < minimum:
-                raise ValueError(f"{ENV[name]}: expected {expected}, got {number}")
-            return number
-
-        cache = raw("table_cache")
-        if cache not in (None, "0", "1"):
-            raise ValueError(f"{ENV['table_cache']}: expected 0 or 1, got {cache!r}")
-        tl = raw("tilelang_config")
-        tl_config = None
-        if tl is not None:
-            try:
-                tl_config = tuple(int(v) for v in tl.split(","))
-            except ValueError:
-                raise ValueError(f"{ENV['tilelang_config']}: expected 'block_n,num_stages,threads[,block_q]', "
-                                 f"got {tl!r}") from None  # fmt: skip
-        calls = integer("capture_calls", 0, "a non-negative integer")
-        return cls(
-            precision=raw("precision") or "bf16",
-            max_logits_bytes=integer("max_logits_bytes", 1, "a positive integer number of bytes"),
-            table_cache=cache != "0",
-            mqa_layout=raw("mqa_layout"),
-            tilelang_config=tl_config,
-            capture_dir=raw("capture_dir"),
-            capture_calls=1 if calls is None else calls,
-        )
+                value = parse(ENV[name], raw)
+                cls(**{name: value})  # the field's own validation
+            except ValueError as exc:
+                if strict:
+                    raise
+                errors.append(str(exc))
+                continue
+            values[name] = value
+        if errors:
+            values["env_error"] = "; ".join(errors)
+        return cls(**values)
 
     def replace(self, **changes) -> "Settings":
         """A copy with ``changes`` (validated)."""
@@ -166,6 +183,57 @@ class Settings:
         return rows
 
 
+def _integer(minimum: int, expected: str):
+    def parse(var: str, raw: str) -> int:
+        try:
+            number = int(raw)
+        except ValueError:
+            raise ValueError(f"{var}: expected {expected}, got {raw!r}") from None
+        if number < minimum:
+            raise ValueError(f"{var}: expected {expected}, got {number}")
+        return number
+
+    return parse
+
+
+def _flag(var: str, raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError(f"{var}: expected 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def _tilelang(var: str, raw: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"{var}: expected 'block_n,num_stages,threads[,block_q]', got {raw!r}") from None
+
+
+def _seconds(var: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{var}: expected a positive number of seconds, got {raw!r}") from None
+
+
+def _text(var: str, raw: str) -> str:
+    return raw
+
+
+#: setting name -> parser of its variable's (stripped, non-empty) text
+_PARSERS = {
+    "precision": _text,
+    "max_logits_bytes": _integer(1, "a positive integer number of bytes"),
+    "table_cache": _flag,
+    "mqa_layout": _text,
+    "tilelang_config": _tilelang,
+    "capture_dir": _text,
+    "capture_calls": _integer(0, "a non-negative integer"),
+    "check_finite": _flag,
+    "comm_timeout": _seconds,
+}
+
+
 def _show(value) -> str:
     if value is None:
         return "-"
@@ -178,5 +246,7 @@ def _show(value) -> str:
 
 @functools.lru_cache(maxsize=1)
 def current_settings() -> Settings:
-    """The process settings, read from the environment at the first call, then cached."""
-    return Settings.from_env()
+    """The process settings, read from the environment at the first call, then cached. A
+    variable that cannot be read takes its default and its error is kept in
+    ``env_error`` (raised by the operator inside its agreement: every rank alike)."""
+    return Settings.from_env(strict=False)

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .checks import check_choice, check_int
+from .checks import check_choice, check_int, check_int_list
 from .layouts import LAYOUTS, stream_layout
 
 __all__ = ["ShardedSequence"]
@@ -38,21 +38,16 @@ __all__ = ["ShardedSequence"]
 
 def _as_cu_seq_lens(cu_seq_lens: Any) -> torch.Tensor:
     """Validate ``cu_seq_lens`` and return it as a CPU int64 tensor ``[num_docs + 1]``."""
+    if type(cu_seq_lens).__module__ == "numpy" and hasattr(cu_seq_lens, "dtype"):  # an array: as a tensor
+        if cu_seq_lens.dtype.kind not in "iu":
+            raise TypeError(f"cu_seq_lens: expected an integer array, got dtype {cu_seq_lens.dtype}")
+        cu_seq_lens = torch.as_tensor(cu_seq_lens.astype("int64"))
     if isinstance(cu_seq_lens, torch.Tensor):
         if cu_seq_lens.dtype.is_floating_point or cu_seq_lens.dtype.is_complex or cu_seq_lens.dtype == torch.bool:
             raise TypeError(f"cu_seq_lens: expected an integer tensor, got dtype {cu_seq_lens.dtype}")
         cu = cu_seq_lens.detach().to("cpu", torch.int64)
     else:
-        try:
-            values = list(cu_seq_lens)
-        except TypeError:
-            raise TypeError(
-                f"cu_seq_lens: expected a 1-D integer tensor or a list of ints, got {type(cu_seq_lens).__name__}"
-            ) from None
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"cu_seq_lens: expected integers, got {v!r} of type {type(v).__name__}")
-        cu = torch.tensor(values, dtype=torch.int64)
+        cu = torch.tensor(check_int_list("cu_seq_lens", cu_seq_lens), dtype=torch.int64)
     if cu.dim() != 1:
         raise ValueError(f"cu_seq_lens: expected a 1-D tensor [num_docs + 1], got shape {tuple(cu.shape)}")
     if cu.numel() < 2:
@@ -75,16 +70,10 @@ def _as_prompt_lens(prompt_lens: Any, cu: torch.Tensor) -> tuple[int, ...] | Non
     """``prompt_lens`` validated against the documents of ``cu`` (a tuple), or ``None``."""
     if prompt_lens is None:
         return None
-    if isinstance(prompt_lens, torch.Tensor):
-        if prompt_lens.dtype.is_floating_point or prompt_lens.dtype == torch.bool or prompt_lens.dim() != 1:
-            raise TypeError(f"prompt_lens: expected a 1-D integer tensor or a list of ints, got {prompt_lens.dtype} "
-                            f"{list(prompt_lens.shape)}")  # fmt: skip
-        values = prompt_lens.tolist()
-    else:
-        try:
-            values = list(prompt_lens)
-        except TypeError:
-            raise TypeError(f"prompt_lens: expected a list of ints, got {type(prompt_lens).__name__}") from None
+    if getattr(prompt_lens, "ndim", 1) != 1:  # a tensor or an array
+        raise TypeError(f"prompt_lens: expected a 1-D integer tensor or a list of ints, got shape "
+                        f"{list(prompt_lens.shape)}")  # fmt: skip
+    values = check_int_list("prompt_lens", prompt_lens)
     from .pooling import extend_pools
 
     extend_pools(cu, values, 1)  # checks the count and every value (one rule for both)
@@ -92,23 +81,15 @@ def _as_prompt_lens(prompt_lens: Any, cu: torch.Tensor) -> tuple[int, ...] | Non
 
 
 def _as_positions(name: str, positions: Any, total: int) -> torch.Tensor:
-    """``positions`` as a 1-D int64 CPU tensor of distinct values in ``[0, total)``."""
-    if isinstance(positions, torch.Tensor):
-        if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
-            raise TypeError(f"{name}: expected an integer tensor, got dtype {positions.dtype}")
+    """``positions`` as a 1-D int64 CPU tensor of values in ``[0, total)`` (a tensor, a NumPy
+    array or a list of integer-like values)."""
+    if isinstance(positions, torch.Tensor) and not (positions.dtype.is_floating_point or positions.dtype.is_complex
+                                                    or positions.dtype == torch.bool):  # fmt: skip
+        if positions.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got shape {list(positions.shape)}")
         pos = positions.detach().to("cpu", torch.int64)
     else:
-        try:
-            values = list(positions)
-        except TypeError:
-            raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got {type(positions).__name__}"
-                            ) from None  # fmt: skip
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}: expected integers, got {v!r} of type {type(v).__name__}")
-        pos = torch.tensor(values, dtype=torch.int64)
-    if pos.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(pos.shape)}")
+        pos = torch.tensor(check_int_list(name, positions), dtype=torch.int64)
     bad = (pos < 0) | (pos >= total)
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0])
@@ -222,8 +203,8 @@ class ShardedSequence:
 
         Raises ``ValueError``/``TypeError`` naming the argument and the bad value.
         """
-        check_int("world_size", world_size, 1)
-        check_int("rank", rank)
+        world_size = check_int("world_size", world_size, 1)
+        rank = check_int("rank", rank)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         check_choice("layout", layout, LAYOUTS)
@@ -287,8 +268,8 @@ class ShardedSequence:
         raises the same ``ValueError`` on every rank, naming it. :meth:`from_rank_positions`
         is the same without communication, for callers that know every rank's positions.
         """
-        check_int("world_size", world_size, 1)
-        check_int("rank", rank)
+        world_size = check_int("world_size", world_size, 1)
+        rank = check_int("rank", rank)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         if world_size == 1:
@@ -313,7 +294,7 @@ class ShardedSequence:
         cu = _as_cu_seq_lens(cu_seq_lens)
         total = int(cu[-1])
         world_size = len(rank_positions)
-        check_int("rank", rank)
+        rank = check_int("rank", rank)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         pos = tuple(_as_positions(f"positions (rank {r})", p, total) for r, p in enumerate(rank_positions))

@@ -105,6 +105,6 @@ def bad_input_on_one_rank(rank: int, world_size: int, case: str) -> str:
         args["k"] = args["k"].to(torch.bfloat16)
     try:
         kpool_topk(**args, seq=seq, topk=topk)
-    except ValueError as exc:
-        return str(exc)
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
     return "no error"

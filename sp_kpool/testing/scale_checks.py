@@ -179,6 +179,6 @@ def bad_scale_options_on_one_rank(rank: int, world_size: int) -> dict[str, str]:
         try:
             kpool_topk(**shard_inputs(x, seq), seq=seq, topk=8, **kw)
             messages[case] = "no error"
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             messages[case] = str(exc)
     return messages

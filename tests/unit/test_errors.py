@@ -90,3 +90,150 @@ def test_indexer_rejects_bad_config_and_inputs():
         m(torch.zeros(5, 7), torch.zeros(5, 4), seq)
     with pytest.raises(ValueError, match="q_resid: expected 5 rows"):
         m(torch.zeros(5, 8), torch.zeros(4, 4), seq)
+
+
+# --------------------------------------------------------------------------- reliability
+
+
+def test_integer_like_values_are_accepted_and_give_the_same_rows():
+    import numpy as np
+
+    args, seq = _args()
+    ref = kpool_topk(**args, seq=seq, topk=8, kpool=4)
+    seq_np = ShardedSequence.split(np.array([0, 23]), world_size=np.int64(1), rank=np.int32(0))
+    for kw in (dict(topk=np.int64(8), kpool=np.int32(4)), dict(topk=torch.tensor(8), kpool=4, alignment=np.uint8(1))):
+        assert torch.equal(kpool_topk(**args, seq=seq_np, **kw), ref)
+    for bad, text in ((np.float64(8), "topk: expected int, got np.float64(8.0)"), (np.bool_(True), "topk: expected int"),
+                      (torch.tensor([8]), "topk: expected int")):  # fmt: skip
+        with pytest.raises(TypeError, match=text.replace("(", r"\(").replace(")", r"\)")):
+            kpool_topk(**args, seq=seq, topk=bad)
+    with pytest.raises(TypeError, match="cu_seq_lens: expected an integer array, got dtype float64"):
+        ShardedSequence.split(np.array([0.0, 23.0]), world_size=1, rank=0)
+
+
+def test_check_finite_names_the_tensor_row_and_value():
+    from sp_kpool.settings import Settings
+
+    for name, idx, row in (("q", (5, 1, 2), r"local row 5 \(stream position 5\) on rank 0"), ("k", (7, 0), "local row 7"),
+                           ("gates", (3, 3), "local row 3"), ("head_weights", (9, 2), "local row 9"),
+                           ("ape", (2, 1), "slot 2")):  # fmt: skip
+        for value in (float("nan"), float("inf"), -float("inf")):
+            args, seq = _args()
+            args[name][idx] = value
+            kpool_topk(**args, seq=seq, topk=8)  # off by default: no error (the rows lose ids, see the contract)
+            with pytest.raises(ValueError, match=f"{name}: expected finite values \\(check_finite\\), got {value} in {row}"):
+                kpool_topk(**args, seq=seq, topk=8, check_finite=True)
+            with pytest.raises(ValueError, match=f"{name}: expected finite values"):  # the settings' default
+                kpool_topk(**args, seq=seq, topk=8, settings=Settings.from_env({"SP_KPOOL_CHECK_FINITE": "1"}))
+            kpool_topk(**args, seq=seq, topk=8, check_finite=False, settings=Settings(check_finite=True))
+
+
+def test_padding_rows_are_not_checked_for_finite_values():
+    x = make_inputs([5], heads=8, head_dim=16, kpool=4, seed=0)
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=4, rank=3)  # rows 6, 7: padding only
+    args = shard_inputs(x, seq)
+    args["k"].fill_(float("nan"))
+    from sp_kpool.pipeline import _check_finite
+
+    _check_finite(args, seq)  # nothing real on this rank
+
+
+def test_absurd_topk_is_refused_before_any_allocation():
+    args, seq = _args()
+    with pytest.raises(ValueError, match=r"topk: expected at most the longest document \(23 tokens\) for an output "
+                                         r"this large, got 268435456: the output \[23, 268435459\] int32"):  # fmt: skip
+        kpool_topk(**args, seq=seq, topk=2**28)
+    with pytest.raises(ValueError, match="topk: expected <= 2147483644, got 8589934592"):
+        kpool_topk(**args, seq=seq, topk=2**33)
+    assert kpool_topk(**args, seq=seq, topk=4096).shape == (23, 4099)  # beyond the document, not absurd
+
+
+def test_the_error_type_is_the_same_at_world_size_one():
+    # a TypeError of a local check stays a TypeError (with several ranks too: test_faults)
+    args, seq = _args()
+    with pytest.raises(TypeError, match="seq: expected a ShardedSequence"):
+        kpool_topk(**args, seq=[0, 23], topk=8)
+    with pytest.raises(TypeError, match="stats: expected a dict or None, got list"):
+        kpool_topk(**args, seq=seq, topk=8, stats=[])
+
+
+def test_seq_inconsistent_with_its_process_group():
+    args, seq = _args()
+    two = ShardedSequence.split([0, 23], world_size=2, rank=0)
+    x = make_inputs([23], heads=8, head_dim=16, kpool=4, seed=0)
+    with pytest.raises(ValueError, match="seq: world size 2 .* needs an initialized torch.distributed process group"):
+        kpool_topk(**shard_inputs(x, two), seq=two, topk=8)
+    import dataclasses
+
+    shifted = dataclasses.replace(seq, shard_start=3)
+    with pytest.raises(ValueError, match="seq: expected shard_start = rank \\* shard_size"):
+        kpool_topk(**args, seq=shifted, topk=8)
+
+
+def test_settings_keep_an_unreadable_variable_for_the_agreement():
+    from sp_kpool.settings import Settings
+
+    s = Settings.from_env({"SP_KPOOL_COMM_TIMEOUT": "soon", "SP_KPOOL_PRECISION": "fp8"}, strict=False)
+    assert s.precision == "fp8" and s.comm_timeout == 600.0
+    assert s.env_error == "SP_KPOOL_COMM_TIMEOUT: expected a positive number of seconds, got 'soon'"
+    with pytest.raises(ValueError, match="SP_KPOOL_COMM_TIMEOUT: expected a positive number of seconds, got 'soon'"):
+        Settings.from_env({"SP_KPOOL_COMM_TIMEOUT": "soon"})
+    args, seq = _args()
+    with pytest.raises(ValueError, match="SP_KPOOL_COMM_TIMEOUT: expected a positive number"):
+        kpool_topk(**args, seq=seq, topk=8, settings=s)
+    assert Settings.from_env({"SP_KPOOL_COMM_TIMEOUT": "2.5", "SP_KPOOL_CHECK_FINITE": "1"}) == Settings(
+        comm_timeout=2.5, check_finite=True)  # fmt: skip
+    rows = {var: value for var, value, _ in Settings().describe()}
+    assert rows["SP_KPOOL_COMM_TIMEOUT"] == "600.0" and rows["SP_KPOOL_CHECK_FINITE"] == "0"
+
+
+def test_indexer_validates_options_and_capture_dir_at_construction(tmp_path):
+    kw = dict(hidden_size=8, q_lora_rank=4, index_n_heads=2, index_head_dim=4, index_topk=8)
+    for bad, text in ((dict(backend="nope"), "backend: expected one of"), (dict(tail="nope"), "tail: expected one of"),
+                      (dict(gather="all"), "gather: expected one of"), (dict(check_finite="yes"), "check_finite: ")):
+        with pytest.raises((TypeError, ValueError), match=text):
+            KPoolIndexer(**kw, **bad)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="capture_dir: expected a writable directory, got .*file/sub"):
+        KPoolIndexer(**kw, capture_dir=str(blocker / "sub"))
+    KPoolIndexer(**kw, capture_dir=str(tmp_path / "new" / "dir"))
+    assert (tmp_path / "new" / "dir").is_dir()
+
+
+def test_indexer_names_hidden_and_q_resid_on_dtype_or_device():
+    m = KPoolIndexer(hidden_size=8, q_lora_rank=4, index_n_heads=2, index_head_dim=4, index_topk=8, dtype=torch.bfloat16)
+    seq = ShardedSequence.split([0, 5], world_size=1, rank=0)
+    bf = dict(dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"hidden: expected dtype torch.bfloat16 \(the parameters' dtype"):
+        m(torch.zeros(5, 8), torch.zeros(5, 4, **bf), seq)
+    with pytest.raises(ValueError, match=r"q_resid: expected dtype torch.bfloat16"):
+        m(torch.zeros(5, 8, **bf), torch.zeros(5, 4, dtype=torch.float16), seq)
+    with pytest.raises(ValueError, match=r"hidden: expected device cpu \(the parameters' device\), got meta"):
+        m(torch.zeros(5, 8, device="meta", **bf), torch.zeros(5, 4, **bf), seq)
+    with pytest.raises(TypeError, match="hidden: expected a torch.Tensor, got list"):
+        m([[0.0] * 8] * 5, torch.zeros(5, 4, **bf), seq)
+    assert m(torch.zeros(5, 8, **bf), torch.zeros(5, 4, **bf), seq).shape == (5, 11)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["demo", "--world-size", "0"], "--world-size"),
+    (["demo", "--docs", "0"], "--docs"),
+    (["demo", "--tokens", "0"], "--tokens"),
+    (["demo", "--tokens", "4", "--docs", "5"], "--docs"),
+    (["demo", "--kpool", "3"], "--topk"),
+    (["demo", "--heads", "x"], "--heads"),
+    (["demo", "--timeout", "0"], "--timeout"),
+    (["info", "--head-dim", "-1"], "--head-dim"),
+    (["parity", "--a", "int4"], "--a"),
+    (["parity", "--synthetic", "--world-size", "2", "--rank", "2"], "--rank"),
+    (["parity", "--synthetic", "--prompt-fraction", "1.5"], "--prompt-fraction"),
+    (["parity", "--synthetic", "--capture-precision", "fp16"], "--capture-precision"),
+])  # fmt: skip
+def test_cli_flags_are_validated(argv, flag, capsys):
+    from sp_kpool.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err

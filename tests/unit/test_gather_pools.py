@@ -143,7 +143,7 @@ def test_bad_scale_option_on_one_rank_fails_on_every_rank_alike():
         "balance": "balance: expected one of ['none', 'causal'], got 'greedy'",
         "block": "balance_block: expected >= 1, got 0",
         "row_cost": "balance_row_cost: expected >= 0, got -1",
-        "disagree": "gather: per rank [0, 0, 1]",
+        "disagree": "gather: per rank ['keys', 'keys', 'pools'] (rank 2 differs)",
         "stats": "stats: expected a dict or None, got list",
     }
     results = run_ranks(bad_scale_options_on_one_rank, 3, timeout=120)
