@@ -118,8 +118,8 @@ def _cmd_demo(args) -> int:
 
     lengths = random_doc_lengths(args.tokens, args.docs, seed=args.seed)
     print(
-        f"sp_kpool demo: {args.world_size} gloo ranks, {args.tokens} tokens in {args.docs} documents "
-        f"{lengths}, H={args.heads} D={args.head_dim} kpool={args.kpool} topk={args.topk}",
+        f"sp_kpool demo: {args.world_size} gloo ranks ({args.layout} layout), {args.tokens} tokens in {args.docs} "
+        f"documents {lengths}, H={args.heads} D={args.head_dim} kpool={args.kpool} topk={args.topk}",
         flush=True,
     )
     t0 = time.perf_counter()
@@ -129,10 +129,10 @@ def _cmd_demo(args) -> int:
         print(f"FAIL: {exc}", file=sys.stderr)
         return 1
     dt = time.perf_counter() - t0
-    print(f"{'rank':>4}  {'shard':>15}  {'real rows':>9}  {'selected ids':>12}  equal to world size 1")
+    print(f"{'rank':>4}  {'rows':>19}  {'real rows':>9}  {'selected ids':>12}  equal to world size 1")
     for rep in reports:
-        shard = f"[{rep.shard[0]}, {rep.shard[1]})"
-        print(f"{rep.rank:>4}  {shard:>15}  {rep.real_rows:>9}  {rep.selected:>12}  {'yes' if rep.equal else 'NO'}")
+        shard = f"[{rep.shard[0]}, {rep.shard[1]})" if rep.shard is not None else rep.layout
+        print(f"{rep.rank:>4}  {shard:>19}  {rep.real_rows:>9}  {rep.selected:>12}  {'yes' if rep.equal else 'NO'}")
     ok = all(r.equal for r in reports)
     print(f"{'PASS' if ok else 'FAIL'}: {sum(r.equal for r in reports)}/{len(reports)} ranks bitwise equal ({dt:.1f} s)")
     return 0 if ok else 1
@@ -142,7 +142,8 @@ def _demo_rank(rank, world_size, lengths, args):
     from .testing.rank_checks import sharded_vs_world1
 
     return sharded_vs_world1(
-        rank, world_size, lengths, args.kpool, args.topk, heads=args.heads, head_dim=args.head_dim, seed=args.seed
+        rank, world_size, lengths, args.kpool, args.topk, heads=args.heads, head_dim=args.head_dim, seed=args.seed,
+        layout=args.layout,
     )
 
 
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--topk", type=_int_at_least(1), default=256, help="a multiple of --kpool")
     demo.add_argument("--seed", type=_int_at_least(0), default=0)
     demo.add_argument("--timeout", type=_float_in(0, open_low=True), default=300.0, help="seconds")
+    demo.add_argument("--layout", choices=["contiguous", "zigzag", "zigzag-per-document", "positions"],
+                      default="contiguous", help="which rows each rank owns (positions: a random permutation)")
     par = sub.add_parser(
         "parity",
         help="replay a captured indexer call in two arms (precision[:backend]) and compare them",

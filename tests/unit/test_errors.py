@@ -224,6 +224,7 @@ def test_indexer_names_hidden_and_q_resid_on_dtype_or_device():
     (["demo", "--kpool", "3"], "--topk"),
     (["demo", "--heads", "x"], "--heads"),
     (["demo", "--timeout", "0"], "--timeout"),
+    (["demo", "--layout", "stripe"], "--layout"),
     (["info", "--head-dim", "-1"], "--head-dim"),
     (["parity", "--a", "int4"], "--a"),
     (["parity", "--synthetic", "--world-size", "2", "--rank", "2"], "--rank"),
