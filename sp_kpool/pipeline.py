@@ -427,7 +427,10 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
         spans = row_spans(seq.runs, C)
     else:
         q_rows, w_rows = take_rows(q, seq.storage_index()), take_rows(head_weights, seq.storage_index())
-        spans = row_spans(seq.runs, C, seq.real_rows())
+        spans = seq.__dict__.setdefault("_spans", {})  # per chunk rows, on the sequence (a loop over the runs)
+        if C not in spans:
+            spans[C] = row_spans(seq.runs, C, seq.real_rows())
+        spans = spans[C]
     k_sel = problem.topk // problem.kpool
     pools, queries, parts, offset, done = pooled, None, [], 0, []
     for span in spans or [Span(0, 0)]:

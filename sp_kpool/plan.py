@@ -69,9 +69,10 @@ def pad_rows(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Span:
-    """Real rows ``[lo, hi)`` scored in one plan; ``rows`` (int64 CPU, ascending, within the
-    span) are those computed here when not all are (``None``: all). The others are zero
-    rows with empty pool ranges, like the rows of a partial chunk."""
+    """Real rows ``[lo, hi)`` scored in one plan. ``rows_here`` (int64 CPU, ascending, within
+    the span) and ``runs`` (their ``(lo, hi)`` runs) are the rows computed here when not all
+    are (``None``: all); the others are zero rows with empty pool ranges, like the rows of
+    a partial chunk."""
 
     lo: int
     hi: int
