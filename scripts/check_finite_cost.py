@@ -8,7 +8,7 @@ Prints one JSON line. Needs CUDA and deep_gemm (the GPU wheels: scripts/gpu_whee
 """
 import json, time, torch
 from sp_kpool import ShardedSequence, kpool_topk
-from sp_kpool.pipeline import _check_finite
+from sp_kpool.agreement import _check_finite
 
 dev = torch.device("cuda")
 g = torch.Generator(device=dev).manual_seed(0)

@@ -125,7 +125,7 @@ def kpool_topk(
     Raises ``ValueError``/``TypeError`` naming the argument, the expected and the actual
     value; with several ranks every rank raises the same error (the same type as at world
     size 1, the same message, naming the ranks and their values), before any data moves
-    (:func:`sp_kpool.pipeline.validate_and_agree`). The agreement waits at most
+    (:func:`sp_kpool.agreement.validate_and_agree`). The agreement waits at most
     ``settings.comm_timeout`` seconds for the other ranks (``TimeoutError``).
     """
     return pipeline.run(q, k, gates, head_weights, ape, seq, config, options, keywords=keywords, settings=settings,

@@ -133,7 +133,7 @@ def test_padding_rows_are_not_checked_for_finite_values():
     seq = ShardedSequence.split(x.cu_seq_lens, world_size=4, rank=3)  # rows 6, 7: padding only
     args = shard_inputs(x, seq)
     args["k"].fill_(float("nan"))
-    from sp_kpool.pipeline import _check_finite
+    from sp_kpool.agreement import _check_finite
 
     _check_finite(args, seq)  # nothing real on this rank
 
