@@ -9,38 +9,25 @@
   partitioning is encoded below (:func:`te_partitioned_indices`) and checked against TE's own
   worked examples.
 
-The wheel: ``scripts/reference_wheels.sh`` (run by ``scripts/test.sh``) downloads it into
-``.cache/wheels/`` and exports its path as ``SP_KPOOL_MEGATRON_WHEEL``. Without it the Megatron
-tests skip, except under CI (``SP_KPOOL_CI`` or ``CI`` set), where they fail.
+The wheel and its loader: ``tests/unit/megatron_ref.py``. Without the wheel
+(``scripts/reference_wheels.sh`` downloads it) the Megatron tests skip, except under CI
+(``SP_KPOOL_CI`` or ``CI`` set), where they fail.
 """
 
 from __future__ import annotations
 
-import ast
 import bisect
-import functools
-import importlib.abc
-import importlib.util
-import os
-import sys
-import types
-import zipfile
-from pathlib import Path
-from typing import Any, Callable, Dict, Optional
-from unittest import mock
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from megatron_ref import megatron, megatron_cp_batch_split  # the wheel's loader (tests/unit/megatron_ref.py)
 
 from sp_kpool.layouts import stream_layout
 
-MEGATRON_VERSION = "0.19.2"  # keep equal to scripts/reference_wheels.sh
-LAYOUT_MEMBER = "megatron/core/transformer/experimental_attention_variant/dsa_layout.py"
-UTILS_MEMBER = "megatron/core/utils.py"
-ROOT = Path(__file__).resolve().parents[2]
-IN_CI = bool(os.environ.get("SP_KPOOL_CI") or os.environ.get("CI"))
+WORLD_SIZES = range(1, 9)
+
 
 # (document lengths): odd lengths, empty documents, documents shorter than 2W, one long one
 CASES = [
@@ -57,7 +44,6 @@ CASES = [
     [100, 1, 0, 17],
     [129],
 ]
-WORLD_SIZES = range(1, 9)
 
 
 def _cu(lengths):
@@ -74,115 +60,6 @@ def _round_up(n, m):
 def _padded_cu(lengths, multiple):
     """cu_seqlens_q_padded of Megatron's packed THD: every document rounded up on its own."""
     return _cu([_round_up(n, multiple) for n in lengths])
-
-
-# --- Megatron-LM, loaded from the wheel ----------------------------------------------------
-
-
-class _WheelMemberLoader(importlib.abc.SourceLoader):
-    """Loads one ``.py`` member of a wheel (a zip) as a module; nothing is extracted."""
-
-    def __init__(self, wheel: Path, member: str):
-        self.wheel, self.member = wheel, member
-
-    def get_filename(self, fullname):
-        return f"{self.wheel}/{self.member}"
-
-    def get_data(self, path):
-        with zipfile.ZipFile(self.wheel) as z:
-            return z.read(self.member)
-
-
-def _find_wheel() -> Path | None:
-    env = os.environ.get("SP_KPOOL_MEGATRON_WHEEL")
-    if env:
-        if not Path(env).is_file():
-            pytest.fail(f"SP_KPOOL_MEGATRON_WHEEL={env}: no such file")
-        return Path(env)
-    hits = sorted((ROOT / ".cache" / "wheels").glob(f"megatron_core-{MEGATRON_VERSION}-*.whl"))
-    return hits[-1] if hits else None
-
-
-def _load_dsa_layout(wheel: Path) -> types.ModuleType:
-    # dsa_layout.py imports two names from megatron.core that are not plain torch and that
-    # the functions compared here never use: PackedSeqParams (only an annotation of
-    # get_packed_qk_cu_seqlens) and get_pg_size (only get_cp_positions_from_layout's fallback
-    # with a process group). Minimal stubs stand in for them while the module executes; they
-    # are removed from sys.modules afterwards (a real megatron, if imported, is used instead).
-    def _get_pg_size(group=None):
-        raise AssertionError("stub: get_pg_size is not used by the compared functions")
-
-    stubs = {
-        "megatron.core.packed_seq_params": {"PackedSeqParams": type("PackedSeqParams", (), {})},
-        "megatron.core.utils": {"get_pg_size": _get_pg_size},
-    }
-    added = []
-    for name, attrs in stubs.items():
-        if name not in sys.modules:
-            stub = types.ModuleType(name, "test stub (tests/unit/test_layout_reference.py)")
-            stub.__dict__.update(attrs)
-            sys.modules[name] = stub
-            added.append(name)
-    loader = _WheelMemberLoader(wheel, LAYOUT_MEMBER)
-    spec = importlib.util.spec_from_loader("_sp_kpool_ref_megatron_dsa_layout", loader, origin=loader.get_filename(""))
-    module = importlib.util.module_from_spec(spec)
-    try:
-        loader.exec_module(module)
-    finally:
-        for name in added:
-            sys.modules.pop(name, None)
-    return module
-
-
-def _load_cp_batch_split(wheel: Path) -> Callable:
-    """``get_batch_on_this_cp_rank`` of megatron/core/utils.py. The module imports all of
-    Megatron, so only its source is read: the dispatcher and the per-sequence zigzag it calls
-    for a batch without cu_seqlens, compiled on their own (they use torch alone)."""
-    with zipfile.ZipFile(wheel) as z:
-        source = z.read(UTILS_MEMBER).decode()
-    wanted = {"get_batch_on_this_cp_rank", "_get_batch_on_this_cp_rank_per_sequence_balancing"}
-    tree = ast.parse(source)
-    body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
-    assert {n.name for n in body} == wanted, f"{UTILS_MEMBER} of {wheel.name}: missing {wanted}"
-    namespace = {"torch": torch, "Any": Any, "Callable": Callable, "Dict": Dict, "Optional": Optional}
-    exec(compile(ast.Module(body=body, type_ignores=[]), f"{wheel}/{UTILS_MEMBER}", "exec"), namespace)
-    return namespace["get_batch_on_this_cp_rank"]
-
-
-@functools.lru_cache(maxsize=None)
-def _megatron_cached(wheel: Path):
-    with zipfile.ZipFile(wheel) as z:
-        names = set(z.namelist())
-    missing = [m for m in (LAYOUT_MEMBER, UTILS_MEMBER) if m not in names]
-    if missing:
-        raise AssertionError(f"{wheel.name} has no {missing} (megatron-core >= 0.19.0 has them)")
-    return _load_dsa_layout(wheel), _load_cp_batch_split(wheel)
-
-
-def megatron():
-    """(dsa_layout module, get_batch_on_this_cp_rank); skips without the wheel, fails in CI."""
-    wheel = _find_wheel()
-    if wheel is None:
-        msg = (
-            f"needs the megatron-core {MEGATRON_VERSION} wheel: run scripts/reference_wheels.sh "
-            "(scripts/test.sh does) or set SP_KPOOL_MEGATRON_WHEEL"
-        )
-        if IN_CI:
-            pytest.fail(f"{msg} (under CI this test must run)")
-        pytest.skip(msg)
-    return _megatron_cached(wheel)
-
-
-def megatron_cp_batch_split(split, tokens, world_size, rank):
-    """Megatron's ``get_batch_on_this_cp_rank`` of a non-packed batch (``cu_seqlens`` None),
-    with the CP group's size and rank given explicitly (the two torch.distributed calls it
-    makes are patched for the call, nothing else)."""
-    with (
-        mock.patch.object(torch.distributed, "get_world_size", lambda group=None: world_size),
-        mock.patch.object(torch.distributed, "get_rank", lambda group=None: rank),
-    ):
-        out = split({"cu_seqlens": None, "tokens": tokens[None].clone()}, is_hybrid_cp=False, cp_group=None)
-    return out["tokens"][0]
 
 
 # --- Transformer Engine, as documented ------------------------------------------------------
