@@ -1,0 +1,1 @@
+"""Adapters for the frameworks our users run (imported on demand)."""
