@@ -375,22 +375,25 @@ def markdown(doc: dict) -> str:
         "- ceilings (rank 0, this run): "
         + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in doc["ceilings"].items()),
         "",
-        "| S | backend | precision | gather | balance | ms (max rank) | stages ms (max rank) | gather B recv/rank"
-        " | pools/keys | max/mean pairs | equal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| S | layout | backend | precision | gather | balance | ms (max rank) | stages ms (max rank)"
+        " | gather B recv/rank | pools/keys | max/mean pairs | balance | cells/pairs | equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["results"]:
         c, s = r["config"], r["summary"]
-        head = f"| {c['seq_len']} | {c['backend']} | {c['precision']} | {c['gather']} | {c['balance']} "
+        head = (f"| {c['seq_len']} | {c.get('layout', 'contiguous')} | {c['backend']} | {c['precision']} | "
+                f"{c['gather']} | {c['balance']} ")  # fmt: skip
         if "skipped" in s:
-            lines.append(head + f"| skipped: {s['skipped'][:80]} | | | | | |")
+            lines.append(head + f"| skipped: {s['skipped'][:80]} | | | | | | | |")
             continue
+        part = s.get("partition")
+        bal = "" if not part else ("applied" if part["applied"] else "declined")
         stages = ", ".join(f"{k} {v:.1f}" for k, v in s["stage_ms"].items())
         ratio = s.get("gather_bytes_vs_keys")
         lines.append(
             head + f"| {s['time_ms']:.1f} | {stages} | {s['gather_bytes_received_max']} | "
-            f"{'' if ratio is None else f'1/{1 / ratio:.1f}'} | {s['pairs_imbalance']:.3f} | "
-            f"{'yes' if s['equal_to_baseline'] else 'NO'} |"
+            f"{'' if ratio is None else f'1/{1 / ratio:.1f}'} | {s['pairs_imbalance']:.3f} | {bal} | "
+            f"{s.get('cells_per_causal_pair', float('nan')):.2f} | {'yes' if s['equal_to_baseline'] else 'NO'} |"
         )
     for key, fit in doc.get("balance_fit", {}).items():
         if "suggested_balance_row_cost" in fit:
