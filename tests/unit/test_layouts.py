@@ -14,12 +14,12 @@ from sp_kpool.testing.problems import layout_seqs, make_inputs, shard_inputs, si
 from sp_kpool.testing.rank_checks import STANDARD_CASES, layout_seq, sharded_vs_world1
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag-per-document", "positions")
+#: every combination of gather x balance x (tail, order); the compact tail with an alignment
 OPTIONS = [
-    {},
-    {"tail": "compact", "order": "score"},
-    {"gather": "pools"},
-    {"balance": "causal", "balance_block": 4},
-    {"gather": "pools", "balance": "causal", "balance_block": 8, "tail": "compact", "alignment": 8},
+    {"gather": gather, "balance": balance, "balance_block": 4, **tail_order}
+    for gather in ("keys", "pools")
+    for balance in ("none", "causal")
+    for tail_order in ({"tail": "fixed", "order": "ascending"}, {"tail": "compact", "order": "score", "alignment": 8})
 ]
 
 
@@ -121,7 +121,7 @@ pytestmark_ranks = pytest.mark.xdist_group("ranks")
 def _layout_runner(rank, world_size):
     reports = []
     for layout in LAYOUTS[1:]:
-        for lengths, kpool, topk in STANDARD_CASES:
+        for lengths, kpool, topk in STANDARD_CASES[:4]:
             for options in OPTIONS:
                 reports.append(sharded_vs_world1(rank, world_size, lengths, kpool, topk, seed=len(lengths),
                                                  layout=layout, **options))  # fmt: skip
