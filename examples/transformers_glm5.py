@@ -33,7 +33,7 @@ def tiny_glm5(device: str, seed: int = 0):
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=0, qk_nope_head_dim=16,
         v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=32, index_kpool=4,
-        layer_types=["indexed_attention"] * 3, indexer_types=["full", "shared", "full"],
+        layer_types=["full_attention"] * 3, indexer_types=["full", "shared", "full"],
         mlp_layer_types=["dense"] * 3, hc_mult=2, pad_token_id=0,
     )  # fmt: skip
     vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=64,

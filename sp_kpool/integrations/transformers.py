@@ -302,8 +302,12 @@ class TransformersKPoolIndexer(KPoolIndexer):
                 raise TypeError(f"{INDEXER_CLASS_NAME}.forward: cache: expected a transformers Cache with "
                                 f".layers and .update_indexer, got {type(cache).__name__}")  # fmt: skip
             if int(layers[self.layer_idx].get_seq_length()) != S:  # continuing: transformers' arithmetic
-                return self._synced_original()(hidden_states=hidden_states, q_resid=q_resid,
-                                               attention_mask=attention_mask, cache=cache)  # fmt: skip
+                original = self._synced_original()
+                import inspect
+
+                name = "cache" if "cache" in inspect.signature(original.forward).parameters else "past_key_values"
+                return original(hidden_states=hidden_states, q_resid=q_resid, attention_mask=attention_mask,
+                                **{name: cache})  # transformers < 5.24 names it past_key_values
         mask = self._mask(attention_mask, B, S, device)
         if cache is not None:
             cache.update_indexer(self._cache_states(hidden_states, mask), self.layer_idx)

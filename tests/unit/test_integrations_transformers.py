@@ -31,7 +31,7 @@ def tiny_model(seed=0, **text_overrides):
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=0, qk_nope_head_dim=16,
         v_head_dim=16, index_topk=TOPK, index_head_dim=16, index_n_heads=32, index_kpool=KPOOL,
-        layer_types=["indexed_attention"] * 3, indexer_types=["full", "shared", "full"],
+        layer_types=["full_attention"] * 3, indexer_types=["full", "shared", "full"],
         mlp_layer_types=["dense"] * 3, hc_mult=2, pad_token_id=0,
     )  # fmt: skip
     text.update(text_overrides)
