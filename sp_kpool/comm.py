@@ -119,18 +119,14 @@ def _finish(works, seq: ShardedSequence, timeout: float | None, what: str) -> No
     (:func:`wait_or_raise`; ``None``: the process group's own timeout). On NCCL the host
     does not wait (the device stream does): a hung peer is caught by the process group's
     timeout (its watchdog), so the host keeps running ahead of the device."""
-    nccl = "nccl" in str(_dist().get_backend(seq.group)).lower()
+    import torch.distributed as dist
+
+    nccl = "nccl" in str(dist.get_backend(seq.group)).lower()
     for work in works:
         if timeout is None or nccl:
             work.wait()
         else:
             wait_or_raise(work, timeout, what)
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist
 
 
 def all_gather_rows(

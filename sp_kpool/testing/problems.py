@@ -8,7 +8,7 @@ import torch
 
 from ..sharding import ShardedSequence
 
-__all__ = ["GlobalInputs", "make_inputs", "shard_inputs", "layout_seqs", "simulate_ranks", "to_document_positions",
+__all__ = ["GlobalInputs", "make_inputs", "shard_inputs", "random_rank_positions", "layout_seqs", "simulate_ranks", "to_document_positions",
            "random_doc_lengths"]
 
 
@@ -76,6 +76,16 @@ def shard_inputs(x: GlobalInputs, seq: ShardedSequence, device="cpu") -> dict[st
         "head_weights": rows(x.head_weights),
         "ape": x.ape.to(device),
     }
+
+
+def random_rank_positions(total: int, world_size: int, seed: int) -> list[torch.Tensor]:
+    """A random ownership of ``total`` stream positions: a random permutation cut into
+    ``world_size`` parts at random (uneven, possibly empty) points, from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(total, generator=g)
+    cuts = torch.sort(torch.randint(0, total + 1, (world_size - 1,), generator=g)).values.tolist()
+    bounds = [0, *cuts, total]
+    return [perm[bounds[r] : bounds[r + 1]] for r in range(world_size)]
 
 
 def layout_seqs(cu_seq_lens, world_size: int, layout: str = "contiguous", pad_multiple: int | None = None,

@@ -13,7 +13,7 @@ import torch
 from ..api import kpool_topk
 from ..sharding import ShardedSequence
 from .invariants import check_invariants
-from .problems import make_inputs, shard_inputs, to_document_positions
+from .problems import make_inputs, random_rank_positions, shard_inputs, to_document_positions
 
 __all__ = ["RankReport", "layout_seq", "sharded_vs_world1", "bad_input_on_one_rank", "STANDARD_CASES"]
 
@@ -48,13 +48,8 @@ def layout_seq(cu_seq_lens, rank: int, world_size: int, layout: str = "contiguou
     (which all-gathers the positions when ``world_size > 1``)."""
     if layout != "positions":
         return ShardedSequence.split(cu_seq_lens, world_size, rank, group, layout=layout, pad_multiple=pad_multiple)
-    total = int(cu_seq_lens[-1])
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(total, generator=g)
-    cuts = torch.sort(torch.randint(0, total + 1, (world_size - 1,), generator=g)).values.tolist()
-    bounds = [0, *cuts, total]
-    return ShardedSequence.from_positions(cu_seq_lens, perm[bounds[rank] : bounds[rank + 1]], world_size=world_size,
-                                          rank=rank, group=group)  # fmt: skip
+    positions = random_rank_positions(int(cu_seq_lens[-1]), world_size, seed)[rank]
+    return ShardedSequence.from_positions(cu_seq_lens, positions, world_size=world_size, rank=rank, group=group)
 
 
 def sharded_vs_world1(

@@ -20,6 +20,16 @@ ARMS = [pytest.param(name, precision, H, D, marks=pytest.mark.requires(*NEEDS[na
                                       ("deepgemm", "fp8", 64, 128), ("deepgemm", "fp8", 32, 128))]  # fmt: skip
 
 
+def _world_size_one(cache, name, precision, H, D):
+    """``(problem, ids)`` of the whole sequence at world size 1 for this arm (cached)."""
+    key = (name, precision, H, D)
+    if key not in cache:
+        base = rank_slice_problem(sum(LENGTHS), 1, 0, heads=H, head_dim=D, topk=2048, lengths=LENGTHS,
+                                  precision=precision, max_logits_bytes=64 << 20, seed=11)  # fmt: skip
+        cache[key] = base, ids_of(name, base)
+    return cache[key]
+
+
 def _padrows(t, n):
     return torch.cat([t, t.new_zeros((n, *t.shape[1:]))]) if n > 0 else t
 
@@ -27,12 +37,7 @@ def _padrows(t, n):
 @pytest.mark.parametrize("ws", (2, 3, 4, 8))
 @pytest.mark.parametrize("name,precision,H,D", ARMS)
 def test_every_rank_equals_world_size_one(cache, name, precision, H, D, ws):
-    key = (name, precision, H, D)
-    if key not in cache:
-        base = rank_slice_problem(sum(LENGTHS), 1, 0, heads=H, head_dim=D, topk=2048, lengths=LENGTHS,
-                                  precision=precision, max_logits_bytes=64 << 20, seed=11)  # fmt: skip
-        cache[key] = base, ids_of(name, base)
-    base, ref = cache[key]
+    base, ref = _world_size_one(cache, name, precision, H, D)
     wrong = []
     for r in range(ws):
         seq = ShardedSequence.split(base.seq.cu_seq_lens, world_size=ws, rank=r)
@@ -54,19 +59,12 @@ def test_every_rank_equals_world_size_one(cache, name, precision, H, D, ws):
 def test_every_layout_equals_world_size_one(cache, name, precision, H, D, layout, ws):
     """The layouts on the GPU backends: each rank's rows (storage order, stream ids) mapped
     to real rows equal the world-size-1 rows bit for bit; padding rows are all -1."""
-    from sp_kpool.testing.problems import layout_seqs
+    from sp_kpool.testing.problems import layout_seqs, random_rank_positions
 
-    key = (name, precision, H, D)
-    if key not in cache:
-        base = rank_slice_problem(sum(LENGTHS), 1, 0, heads=H, head_dim=D, topk=2048, lengths=LENGTHS,
-                                  precision=precision, max_logits_bytes=64 << 20, seed=11)  # fmt: skip
-        cache[key] = base, ids_of(name, base)
-    base, ref = cache[key]
+    base, ref = _world_size_one(cache, name, precision, H, D)
     if layout == "positions":
-        g = torch.Generator().manual_seed(ws)
-        perm = torch.randperm(base.seq.num_real_tokens, generator=g)
-        cuts = [0, *sorted(torch.randint(0, perm.numel() + 1, (ws - 1,), generator=g).tolist()), perm.numel()]
-        seqs = layout_seqs(base.seq.cu_seq_lens, ws, rank_positions=[perm[a:b] for a, b in zip(cuts, cuts[1:])])
+        positions = random_rank_positions(base.seq.num_real_tokens, ws, seed=ws)
+        seqs = layout_seqs(base.seq.cu_seq_lens, ws, rank_positions=positions)
     else:
         seqs = layout_seqs(base.seq.cu_seq_lens, ws, layout)
     wrong = []

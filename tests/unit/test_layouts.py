@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 from sp_kpool import ShardedSequence, kpool_topk
 from sp_kpool.testing.dist import run_ranks
 from sp_kpool.testing.invariants import check_invariants
-from sp_kpool.testing.problems import layout_seqs, make_inputs, shard_inputs, simulate_ranks, to_document_positions
+from sp_kpool.testing.problems import (
+    layout_seqs,
+    make_inputs,
+    random_rank_positions,
+    shard_inputs,
+    simulate_ranks,
+    to_document_positions,
+)
 from sp_kpool.testing.rank_checks import STANDARD_CASES, layout_seq, sharded_vs_world1
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag-per-document", "positions")
@@ -21,14 +28,6 @@ OPTIONS = [
     for balance in ("none", "causal")
     for tail_order in ({"tail": "fixed", "order": "ascending"}, {"tail": "compact", "order": "score", "alignment": 8})
 ]
-
-
-def _random_positions(total: int, world_size: int, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(total, generator=g)
-    cuts = torch.sort(torch.randint(0, total + 1, (world_size - 1,), generator=g)).values.tolist()
-    bounds = [0, *cuts, total]
-    return [perm[bounds[r] : bounds[r + 1]] for r in range(world_size)]
 
 
 def _assert_equal_to_world1(x, seqs, outs, ref, **config):
@@ -58,7 +57,7 @@ def _assert_equal_to_world1(x, seqs, outs, ref, **config):
 def test_random_layouts_equal_world_size_one(lengths, world_size, layout, pad, kpool, tail, order, budget, seed):
     x = make_inputs(lengths, heads=4, head_dim=8, kpool=kpool, seed=seed)
     if layout == "positions":
-        seqs = layout_seqs(x.cu_seq_lens, world_size, rank_positions=_random_positions(sum(lengths), world_size, seed))
+        seqs = layout_seqs(x.cu_seq_lens, world_size, rank_positions=random_rank_positions(sum(lengths), world_size, seed))
     else:
         multiple = pad * 2 * world_size if pad and layout == "zigzag-per-document" else None
         seqs = layout_seqs(x.cu_seq_lens, world_size, layout, multiple)
