@@ -103,6 +103,12 @@ def _cmd_info(args) -> int:
             why = b.not_supported_reasons(p)
             state = "available" if not why else "unavailable: " + "; ".join(why)
             print(f"  {b.name:<10} precision={precision:<13} priority={b.priority:<3} {state}")
+    from .selectors import describe
+
+    print(f"selectors (k = 512 of 32768 columns, ascending, on {dev}; the first available one runs):")
+    for name, kind, summary, why in describe(dev):
+        state = "available" if not why else "unavailable: " + "; ".join(why)
+        print(f"  {name:<18} {kind:<6} {state}\n  {'':<18} {'':<6} {summary}")
     from ._probe import probe
 
     print("optional packages:")

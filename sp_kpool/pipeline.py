@@ -20,7 +20,7 @@
 6. **score and select**: chunk by chunk (:mod:`sp_kpool.scoring`);
 7. **route back**: selected pools return to the rows' owners (balanced calls only);
 8. **expand**: pools to token ids, the tail, the column layout
-   (:func:`sp_kpool.selection.assemble`); in layouts other than the contiguous one, the
+   (:func:`sp_kpool.expansion.assemble`); in layouts other than the contiguous one, the
    ids mapped to stream positions and the rows put back in storage order.
 
 Every layout (:mod:`sp_kpool.layouts`) runs the same stages on the **real rows** (the real
@@ -59,7 +59,8 @@ from .plan import ChunkPlan, Span, plan_chunks, row_spans
 from .pool_gather import gather_pools, pool_owners, pool_shards
 from .pooling import pool_table
 from .scoring import select_chunks
-from .selection import assemble, row_meta
+from .expansion import assemble
+from .selection import row_meta
 from .settings import Settings, current_settings
 from .sharding import ShardedSequence
 from .timing import stage
@@ -210,6 +211,11 @@ def _pools_built(seq: ShardedSequence, pts: torch.Tensor, kpool: int) -> int:
     return pool_owners(pts, seq, kpool).counts[seq.rank]
 
 
+def _counters(counters: dict) -> dict:
+    """``problem.counters`` with tensors read to Python numbers (``{}``: no fused selector ran)."""
+    return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in counters.items()}
+
+
 def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
     problem, options, part = call.problem, call.options, call.partition
     seq, kpool = problem.seq, problem.kpool
@@ -230,6 +236,7 @@ def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
         balance_applied=call.balanced,
         bytes=call.counter.as_dict(),
         time_s=dict(problem.stage_times),
+        selection=_counters(problem.counters),
         partition=part.as_dict() if part is not None else None,
         rows_scored=scored,
         causal_pairs=causal,

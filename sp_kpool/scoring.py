@@ -3,7 +3,9 @@
 :func:`chunk_calls` lists the scoring calls of a plan (the same for the pipeline and the
 parity replay, which records the values the selection ranked), :func:`score_chunk` makes
 one, and :func:`select_chunks` turns every chunk's scores into the selected pools of its
-rows with the deterministic Top-K of :func:`sp_kpool.selection.select_pools`.
+rows with the deterministic Top-K of :func:`sp_kpool.selectors.select_pools`, or scores and
+selects each chunk in one step where a registered fused selector supports the call
+(:func:`sp_kpool.selectors.choose_fused`; the ids are the same bit for bit).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from .backends.base import Backend, ChunkScores, Pools, Problem, Queries
 from .plan import Chunk, ChunkPlan, pad_rows
-from .selection import select_pools
+from .selectors import choose_fused, select_pools
 from .timing import stage
 
 __all__ = ["ChunkCall", "chunk_calls", "score_chunk", "select_chunks"]
@@ -75,8 +77,13 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
     """Selected pools ``[hi_row - lo_row, topk // kpool]`` int32 of the plan's rows: global
     pool ids, valid ones first, ``-1`` after; ascending for ``order="ascending"``, by score
     for ``"score"``, the serving selector's order for ``"serving"``. Every element is
-    written. Any rank computing a row gets the same ids (see :mod:`sp_kpool.plan`)."""
+    written. Any rank computing a row gets the same ids (see :mod:`sp_kpool.plan`).
+
+    With a fused selector (:func:`~sp_kpool.selectors.choose_fused`) each chunk is scored
+    and selected in one step (timed as the ``score`` stage, no ``select`` stage), its
+    counters added to ``problem.counters``."""
     device = problem.device
+    fused = choose_fused(backend, problem)
     lo_row, hi_row = plan.lo_row, plan.hi_row
     k_sel = problem.topk // problem.kpool
     out = None
@@ -85,6 +92,13 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
         a, b, c = call.a, call.b, call.chunk
         if call.q is None:
             unscored.append((a, b))
+            continue
+        if out is None and fused is not None:
+            out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
+        if fused is not None:
+            with stage(problem, "score"):
+                counts = fused.score_select(backend, problem, pools, call, out[a - lo_row : b - lo_row])
+            _add_counts(problem.counters, fused.name, counts)
             continue
         sc = score_chunk(backend, problem, pools, call)
         rows = slice(a - c.first, b - c.first)
@@ -110,3 +124,19 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
     for a, b in unscored:  # every row lies in one chunk: the others are written above
         out[a - lo_row : b - lo_row].fill_(-1)
     return out
+
+
+def _add_counts(counters: dict, name: str, counts: dict) -> None:
+    """Add a fused selector's per-chunk ``counts`` (ints or 0-d tensors; ``*_max`` keys are
+    maxima, the others sums) to ``counters`` (``selector`` names the selector)."""
+    counters["selector"] = name
+    counters["fused_chunks"] = counters.get("fused_chunks", 0) + 1
+    for key, value in counts.items():
+        old = counters.get(key)
+        if old is None:
+            counters[key] = value
+        elif key.endswith("_max"):
+            counters[key] = torch.maximum(torch.as_tensor(old), torch.as_tensor(value)) if isinstance(
+                value, torch.Tensor) or isinstance(old, torch.Tensor) else max(old, value)  # fmt: skip
+        else:
+            counters[key] = old + value

@@ -44,7 +44,8 @@ class Problem:
     sharding; config: the call's :class:`~sp_kpool.config.KPoolConfig`, resolved
     (``precision`` and ``max_logits_bytes`` set); settings: the process settings.
     stage_times: when a dict, the pipeline synchronizes the device around each stage and
-    adds the seconds spent to it (benchmarks; see ``kpool_topk(stats=)``).
+    adds the seconds spent to it (benchmarks; see ``kpool_topk(stats=)``). counters: what a
+    fused selector counted (:func:`sp_kpool.scoring.select_chunks`; ``stats["selection"]``).
     """
 
     q: torch.Tensor
@@ -56,6 +57,7 @@ class Problem:
     config: KPoolConfig
     settings: Settings = field(default_factory=current_settings)
     stage_times: dict | None = None
+    counters: dict = field(default_factory=dict)
 
     @property
     def topk(self) -> int:
@@ -214,7 +216,7 @@ class Backend:
         if problem.precision not in self.precisions:
             reasons.append(f"precision {problem.precision!r} not implemented (has {list(self.precisions)})")
         if problem.order == "serving":
-            from ..selection import _radix_selector
+            from ..selectors import _radix_selector
 
             k = problem.topk // problem.kpool
             if problem.device.type != "cuda":

@@ -22,7 +22,7 @@ import torch
 
 from .._probe import cuda_reason, probe
 from ..plan import round_rows
-from ..selection import reads_row_ranges_only
+from ..selectors import reads_row_ranges_only
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
 from .deepgemm_logits import logits_bytes, logits_chunk_rows
 

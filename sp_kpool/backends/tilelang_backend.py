@@ -15,7 +15,7 @@ import torch
 from .. import serving
 from .._probe import cuda_reason, probe
 from ..pooling import compress_pools_bf16
-from ..selection import reads_row_ranges_only
+from ..selectors import reads_row_ranges_only
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
 
 __all__ = ["TileLangBackend"]

@@ -233,7 +233,7 @@ def install(monkeypatch, *, layout: str | None = None, api: str = "fp8", legacy_
     GPU path (:func:`sp_kpool._device.on_gpu`) is then taken for every device, so compute
     torch-backend references before installing.
     """
-    from .. import _device, selection
+    from .. import _device, selectors
     from ..backends import deepgemm_backend as dgb, tilelang_backend as tlb
     from ..kernels import tilelang_score
     from ..settings import Settings
@@ -257,7 +257,7 @@ def install(monkeypatch, *, layout: str | None = None, api: str = "fp8", legacy_
         monkeypatch.setattr(mod, "cuda_reason", lambda device: None)
     monkeypatch.setattr(_device, "on_gpu", lambda device: True)
     if not triton_selector:
-        monkeypatch.setattr(selection, "_triton_select", lambda k, width: None)
+        monkeypatch.setattr(selectors, "_triton_select", lambda k, width: None)
 
     # the cached API probes: fresh cached copies for this test (the originals' caches are
     # cleared too, so nothing found here outlives it)

@@ -117,6 +117,22 @@ def test_nan_is_never_selected():
     run(s, torch.tensor([0, 3, 100]), torch.tensor([3000, 2999, 2000]), 16, tile=256)
 
 
+def test_rows_with_at_most_k_cells_select_every_visible_one():
+    # step 0 of the kernel (no ranking) for rows of k - 1, k cells, with NaN, -inf and ties;
+    # rows of k + 1 cells next to them take the ranking path
+    g = torch.Generator().manual_seed(11)
+    k = 48
+    s = torch.randn(8, 400, generator=g)
+    s[1, 60:70] = float("nan")
+    s[2, 100:110] = -float("inf")
+    s[3, 200:260] = 0.0
+    s[4, 5] = -0.0
+    starts = torch.tensor([0, 40, 90, 200, 0, 7, 300, 352])
+    ends = starts + torch.tensor([k - 1, k, k, k, k + 1, 1, 0, k])
+    run(s, starts, ends, k, tile=128)
+    run(s, starts, ends, 1, tile=128)
+
+
 def visible_pools(cu, rows, kpool, k, seed):
     """(pools [R, k] int64, meta, pool_tok_start): for each row, up to k distinct pools of
     its visible range in random order (some rows with fewer valid ones or none), -1 after."""
@@ -450,3 +466,89 @@ def test_out_rows_of_a_larger_tensor():
         tk.topk_ascending(s, starts, ends, base, k, out=torch.empty((5, k + 1), dtype=torch.int32))
     with pytest.raises(ValueError, match="unit column stride"):
         tk.topk_ascending(s, starts, ends, base, k, out=torch.empty((k, 5), dtype=torch.int32).t())
+
+
+# --- the fused FP8 scorer + selector (sp_kpool.kernels.triton_fp8_fused) ------------------
+
+ff = interpreted_module("sp_kpool.kernels.triton_fp8_fused")
+
+
+def fp8_case(C, H, P, seed, *, levels=0, zero_rows=(), bias=0.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(C, H, 128, generator=g)
+    kv = torch.randn(P, 128, generator=g)
+    if levels:  # few distinct values: heavy score ties
+        q, kv = torch.round(q * levels) / levels, torch.round(kv * levels) / levels
+    w = torch.randn(C, H, generator=g).abs() * 0.1
+    for r in zero_rows:
+        w[r] = 0.0  # every score 0: a ReLU plateau
+    scale = 2.0 ** torch.randint(-3, 3, (P,), generator=g).float()
+    if bias:  # later pools score higher: a gate that sees early pools first tightens late
+        scale = scale * (1 + bias * torch.arange(P) / P)
+    return q.to(torch.float8_e4m3fn), w, kv.to(torch.float8_e4m3fn), scale
+
+
+def check_fused(q8, w, k8, scale, starts, ends, k, **kw):
+    C = q8.shape[0]
+    dense = ff.score_select(q8, w, k8, scale, starts, ends, k, dense=True, **kw)
+    vis = in_range(dense, starts, ends)
+    want = exact_ascending(torch.where(vis, dense, -float("inf")), starts, ends, torch.full((C,), 5), k)
+    got, emitted = ff.score_select(q8, w, k8, scale, starts, ends, k, pool_base=5, **kw)
+    assert torch.equal(got, want)
+    assert (emitted <= (ends - starts).clamp(min=0)).all()
+    return dense, emitted
+
+
+@pytest.mark.parametrize("H,bq", [(32, 4), (64, 2), (128, 1), (64, 4)])
+def test_fused_fp8_selection_equals_dense_logits_plus_exact_topk(H, bq):
+    C, P, k = 7, 700, 16
+    q8, w, k8, scale = fp8_case(C, H, P, seed=H + bq)
+    starts = torch.tensor([0, 3, 100, 650, 0, 5, 699], dtype=torch.int32)
+    ends = torch.tensor([700, 690, 100, 700, 10, 17, 700], dtype=torch.int32)  # empty, short, k+1 rows
+    dense, emitted = check_fused(q8, w, k8, scale, starts, ends, k, block_q=bq)
+    # the dense logits are the serving arithmetic (tolerance: the interpreter's dot is not
+    # the GPU's FP8 tensor-core sum, and the head order differs)
+    from sp_kpool.serving_scores import mqa_logits_fp8_reference
+
+    ref = mqa_logits_fp8_reference(q8, w, k8, scale)
+    vis = in_range(dense, starts, ends)
+    assert torch.allclose(dense[vis], ref[vis], rtol=1e-4, atol=1e-4)
+    assert int(emitted.max()) < 700  # the gate dropped cells on the long rows
+
+
+@pytest.mark.parametrize("case", ["ties", "plateau", "recency", "nonfinite"])
+def test_fused_fp8_selection_hard_inputs(case):
+    C, H, P, k = 6, 32, 900, 24
+    kw = dict(levels=2) if case == "ties" else dict(zero_rows=(0, 2, 3)) if case == "plateau" else {}
+    q8, w, k8, scale = fp8_case(C, H, P, seed=3, bias=4.0 if case == "recency" else 0.0, **kw)
+    if case == "nonfinite":
+        scale[[10, 11, 500]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        w[1, 3] = float("nan")
+        w[2, 0] = float("inf")
+    starts = torch.tensor([0, 1, 64, 0, 300, 7], dtype=torch.int32)
+    ends = torch.tensor([900, 899, 833, 24, 900, 31], dtype=torch.int32)
+    check_fused(q8, w, k8, scale, starts, ends, k)
+    check_fused(q8, w, k8, scale, starts, ends, 1)
+
+
+def test_fused_gate_keeps_a_later_pool_one_ulp_above_the_threshold():
+    # pools score L0 except k pools in the middle scoring the next float above it: once the
+    # gate's threshold is key(L0), they must still get in (a gate one ulp too tight drops them)
+    C, H, P, k = 1, 32, 300, 4
+    g = torch.Generator().manual_seed(5)
+    q8 = torch.randn(C, H, 128, generator=g).to(torch.float8_e4m3fn)
+    k8 = torch.randn(1, 128, generator=g).to(torch.float8_e4m3fn).expand(64, 128).contiguous()
+    w = torch.rand(C, H, generator=g) + 0.5
+    steps = torch.full((64,), 1.0).view(torch.int32) + torch.arange(64, dtype=torch.int32)
+    probe = ff.score_select(q8, w, k8, steps.view(torch.float32), torch.zeros(1, dtype=torch.int32),
+                            torch.full((1,), 64, dtype=torch.int32), k, dense=True)[0]  # fmt: skip
+    keys = probe.view(torch.int32)
+    pairs = torch.nonzero(keys[None, :] == keys[:, None] + 1)  # scales i, j: logits one ulp apart
+    assert pairs.numel(), keys
+    i, j = pairs[0].tolist()
+    scale = torch.full((P,), float(steps.view(torch.float32)[i]))
+    scale[200 : 200 + k] = steps.view(torch.float32)[j]
+    k8 = k8[:1].expand(P, 128).contiguous()
+    ends = torch.full((1,), P, dtype=torch.int32)
+    got, _ = ff.score_select(q8, w, k8, scale, torch.zeros(1, dtype=torch.int32), ends, k)
+    assert got.tolist() == [[200, 201, 202, 203]]

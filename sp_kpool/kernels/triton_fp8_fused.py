@@ -1,0 +1,266 @@
+"""FP8 scoring with DeepGEMM's per-logit arithmetic, fused with the exact Top-K (Triton).
+
+:func:`score_select` scores query rows against pools with the arithmetic of DeepGEMM's SM90
+``fp8_mqa_logits`` (contract §6) and either stores the logits (``dense=True``: the bitwise
+test vehicle) or never stores them and selects, per row, the ``k`` best visible pools by
+the rule of :func:`sp_kpool.selectors.topk_pools` (higher score first, ties toward the
+lower pool id, ``-0.0`` equal to ``+0.0``, NaN and ``-inf`` never selected), written in
+ascending pool id with ``-1`` after.
+
+**Per logit** (row ``i``, pool ``p``; ``a_h`` the FP8 tensor-core product of query head
+``h`` and the pool over the 128 channels, as four chained ``k32`` steps of one ``tl.dot``;
+``r_h = a_h`` if ``a_h > 0`` else ``0``, so NaN gives 0 as ``max.f32`` does; ``w_h`` the
+folded FP32 head weight; ``s`` the pool's FP32 scale)::
+
+    c_j   = fma(r_j, w_j, RN(r_{8+j} w_{8+j})), then c_j = fma(r_{8m+j}, w_{8m+j}, c_j),
+            m = 2 .. H/8 - 1 in order                       (eight chains, j = 0..7)
+    P_q   = RN(RN(c_{2q} + c_{2q+1}) * s)                    (q = 0..3)
+    logit = RN(RN(P_0 + P_1) + RN(P_2 + P_3))
+
+The heads of one chain step ``m`` of ``BQ`` rows are the ``N = 8 BQ`` columns of one
+``tl.dot`` (``[BP, 128] x [128, N]``), so every step is one dot and no accumulator is split.
+The kernel is compiled without FP contraction (``enable_fp_fusion=False``): every fused
+multiply-add is an explicit ``tl.fma``. Whether these values equal DeepGEMM's bit for bit is
+a property of the GPU's FP8 tensor-core instruction (the tests on a GPU check it, and that
+the compiled kernel uses ``wgmma`` and no ``mma.sync``); on CPU (Triton's interpreter) the
+same code checks the selection logic.
+
+**Selection without stored logits.** One program owns ``BQ`` rows and streams their pools in
+ascending id, in blocks of ``BP``. Per row it keeps a threshold key ``tau`` (the monotone
+int32 key of :func:`sp_kpool.kernels.triton_topk_search.row_keys`) and appends every visible
+cell whose key is ``> tau`` to a candidate buffer of ``CAP`` entries (key and pool id, in
+pool order). When the next block could overflow the buffer, the row is compacted: ``T`` =
+its ``k``-th largest buffered key; kept are the keys ``> T`` and the first keys ``== T`` in
+buffer order, ``k`` in all, exactly the row's Top-K of the pools seen so far; ``tau = T``.
+Exact because pools come in ascending id: a later cell with key ``<= T`` ranks below ``k``
+kept cells (equal keys lose to lower ids), and a dropped cell ranks below ``k`` kept ones.
+``tau`` only rises. After compaction ``k`` entries remain and ``CAP >= k + BP``, so the
+buffer never overflows (no fallback is needed; the launcher checks the bound). The last
+compaction leaves the answer in the buffer, in pool order: it is copied out.
+
+Imports Triton: import this module only where Triton is available.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_topk_search import row_keys
+
+__all__ = ["score_select", "supports", "capacity"]
+
+#: Pools per block (the ``M`` of each dot; a multiple of 64 for wgmma).
+BLOCK_P = 64
+
+
+def capacity(k: int, block_p: int = BLOCK_P) -> int:
+    """Candidate entries per row: the power of two ``>= k + block_p`` (never overflows)."""
+    return 1 << max(0, k + block_p - 1).bit_length()
+
+
+def supports(heads: int, dim: int, k: int) -> list[str]:
+    """Why :func:`score_select` cannot run this shape (empty: it can)."""
+    why = []
+    if heads not in (32, 64, 128):
+        why.append(f"H = {heads} not in [32, 64, 128]")
+    if dim != 128:
+        why.append(f"D = {dim} != 128")
+    if not 1 <= k <= 2048:
+        why.append(f"k = {k} pools outside [1, 2048]")
+    return why
+
+
+@triton.jit
+def _kth_key(keys, k):
+    """The ``k``-th largest of ``keys`` (int32, at least ``k`` of them above ``INT32_MIN``)
+    and how many are strictly above it: bisection on the key value."""
+    lo = tl.full((), -2147483648, tl.int64)  # count(keys >= lo) >= k
+    hi = tl.max(keys).to(tl.int64) + 1  # count(keys >= hi) < k
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if tl.sum((keys.to(tl.int64) >= mid).to(tl.int32)) >= k:
+            lo = mid
+        else:
+            hi = mid
+    t = lo.to(tl.int32)
+    return t, tl.sum((keys > t).to(tl.int32))
+
+
+@triton.jit
+def _compact(bk, bi, n, k, CAP: tl.constexpr):
+    """Keep the Top-K of the ``n`` buffered (key, id) entries at ``bk``/``bi`` (pool order):
+    the keys above the ``k``-th and the first ones equal to it; returns ``(kept, T)``."""
+    j = tl.arange(0, CAP)
+    ok = j < n
+    keys = tl.load(bk + j, mask=ok, other=-2147483648)
+    ids = tl.load(bi + j, mask=ok, other=0)
+    t, n_gt = _kth_key(keys, k)
+    eq = (ok & (keys == t)).to(tl.int32)
+    keep = (ok & (keys > t)) | ((eq == 1) & (tl.cumsum(eq, axis=0) <= k - n_gt))
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.debug_barrier()  # every entry is read before any is moved
+    tl.store(bk + pos, keys, mask=keep)
+    tl.store(bi + pos, ids, mask=keep)
+    tl.debug_barrier()
+    return tl.sum(keep.to(tl.int32)), t
+
+
+@triton.jit
+def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Logits, sl_r, Out, so_r, BufK, BufI,
+                  Emitted, k, pool_base, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
+                  CAP: tl.constexpr, KP: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
+    MINK: tl.constexpr = -2147483648
+    N: tl.constexpr = BQ * 8
+    pid = tl.program_id(0)
+    iq = tl.arange(0, BQ)
+    rows = row0 + pid * BQ + iq  # the program's rows (of the chunk)
+    rok = rows < row0 + nrows
+    ks = tl.load(Starts + rows, mask=rok, other=2147483647)
+    ke = tl.load(Ends + rows, mask=rok, other=0)
+    lo = tl.min(ks)  # masked rows: [INT32_MAX, 0), empty
+    hi = tl.max(ke)
+    # dot column n = 8 i + j: head 8 m + j of row i (chain j of row i)
+    n = tl.arange(0, N)
+    nrow = row0 + pid * BQ + n // 8
+    nok = nrow < row0 + nrows
+    nj = n % 8
+    d = tl.arange(0, D)
+    qcol = Q + nrow.to(tl.int64) * sq_r + nj * sq_h  # [N] pointers to channel 0 of head j (m = 0)
+    wcol = W + nrow.to(tl.int64) * sw_r + nj
+    slot = (pid * BQ + iq).to(tl.int64) * CAP  # each row's candidate buffer
+    tau = tl.full((BQ,), MINK, tl.int32)
+    cnt = tl.zeros((BQ,), tl.int32)
+    emitted = tl.zeros((BQ,), tl.int32)
+    bp = tl.arange(0, BP)
+    p_start = (lo // BP) * BP
+    if hi <= lo:
+        p_start = hi
+    for p0 in range(p_start, hi, BP):
+        p = p0 + bp
+        pm = (p >= lo) & (p < hi)
+        kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
+        scale = tl.load(KS + p, mask=pm, other=0.0)
+        q0 = tl.load(qcol[None, :] + d[:, None], mask=nok[None, :], other=0.0)
+        q1 = tl.load(qcol[None, :] + 8 * sq_h + d[:, None], mask=nok[None, :], other=0.0)
+        a0 = tl.dot(kv, q0)
+        a1 = tl.dot(kv, q1)
+        w0 = tl.load(wcol, mask=nok, other=0.0)
+        w1 = tl.load(wcol + 8, mask=nok, other=0.0)
+        r0 = tl.where(a0 > 0, a0, 0.0)
+        r1 = tl.where(a1 > 0, a1, 0.0)
+        c = tl.fma(r0, w0[None, :], r1 * w1[None, :])
+        for m in tl.static_range(2, H // 8):
+            qm = tl.load(qcol[None, :] + (8 * m) * sq_h + d[:, None], mask=nok[None, :], other=0.0)
+            am = tl.dot(kv, qm)
+            wm = tl.load(wcol + 8 * m, mask=nok, other=0.0)
+            c = tl.fma(tl.where(am > 0, am, 0.0), wm[None, :], c)
+        # j = 2 q + b: the pairs of chains, the scale, the butterfly (P0 + P1) + (P2 + P3)
+        c0, c1 = tl.split(tl.reshape(c, [BP, BQ, 4, 2]))
+        part = (c0 + c1) * scale[:, None, None]
+        pa, pb = tl.split(tl.reshape(part, [BP, BQ, 2, 2]))
+        x, y = tl.split(pa + pb)
+        logit = x + y  # [BP, BQ]
+        vis = (p[:, None] >= ks[None, :]) & (p[:, None] < ke[None, :])
+        if DENSE:
+            dst = Logits + rows.to(tl.int64)[None, :] * sl_r + p[:, None]
+            tl.store(dst, logit, mask=vis)
+        else:
+            key = row_keys(logit, vis)
+            take = key > tau[None, :]
+            ti = take.to(tl.int32)
+            pos = cnt[None, :] + tl.cumsum(ti, axis=0) - 1
+            tl.store(BufK + slot[None, :] + pos, key, mask=take)
+            tl.store(BufI + slot[None, :] + pos, p[:, None] + tl.zeros((BP, BQ), tl.int32), mask=take)
+            added = tl.sum(ti, axis=0)
+            cnt += added
+            emitted += added
+            if tl.max(cnt) > CAP - BP:  # a row's buffer could overflow with the next block
+                for i in tl.static_range(BQ):
+                    ci = tl.sum(tl.where(iq == i, cnt, 0))
+                    if ci > CAP - BP:
+                        si = (pid * BQ + i).to(tl.int64) * CAP
+                        kept, t = _compact(BufK + si, BufI + si, ci, k, CAP)
+                        cnt = tl.where(iq == i, kept, cnt)
+                        tau = tl.where(iq == i, t, tau)
+    if not DENSE:
+        kofs = tl.arange(0, KP)
+        for i in tl.static_range(BQ):
+            row = row0 + pid * BQ + i
+            if row < row0 + nrows:
+                ci = tl.sum(tl.where(iq == i, cnt, 0))
+                si = (pid * BQ + i).to(tl.int64) * CAP
+                if ci > k:
+                    ci, _t = _compact(BufK + si, BufI + si, ci, k, CAP)
+                ids = tl.load(BufI + si + kofs, mask=kofs < ci, other=0)
+                val = tl.where(kofs < ci, ids + pool_base, -1)
+                tl.store(Out + (row - row0).to(tl.int64) * so_r + kofs, val, mask=kofs < k)
+                tl.store(Emitted + (row - row0), tl.sum(tl.where(iq == i, emitted, 0)))
+
+
+def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, starts: torch.Tensor,
+                 ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None, pool_base: int = 0,
+                 dense: bool = False, out: torch.Tensor | None = None, block_q: int = 4, block_p: int = BLOCK_P,
+                 num_warps: int = 4, num_stages: int = 2):  # fmt: skip
+    """Scores (``dense``) or selected pools of query rows against pools, DeepGEMM's arithmetic.
+
+    Args:
+        q8: ``[C, H, 128]`` ``float8_e4m3fn`` prepared queries; w: ``[C, H]`` float32 folded
+            head weights; k8: ``[P, 128]`` ``float8_e4m3fn`` pools; k_scale: ``[P]`` float32.
+        starts, ends: ``[C]`` int32, each row's visible pools ``[starts, ends)`` (of ``k8``).
+        k: pools to select per row (``topk // kpool``, at most 2048).
+        rows: the rows ``[a, b)`` to compute (default all ``C``).
+        pool_base: added to the selected pool indices (global id of ``k8``'s row 0).
+        dense: return the ``[b - a, P]`` float32 logits instead (cells outside each row's
+            range are NaN: never written).
+        out: optional ``[b - a, k]`` int32 destination of the selection (written whole).
+        block_q, block_p, num_warps, num_stages: launch shape (``8 block_q`` dot columns;
+            ``block_p`` pools per block, a multiple of 64).
+
+    Returns:
+        ``dense``: logits ``[b - a, P]`` float32. Otherwise ``(pools, emitted)``: ``[b - a,
+        k]`` int32 global pool ids ascending, ``-1`` after, and ``[b - a]`` int32, the cells
+        each row appended to its candidate buffer (what the gate let through).
+    """
+    C, H, D = q8.shape
+    why = supports(H, D, k)
+    if why:
+        raise ValueError(f"score_select: {'; '.join(why)}")
+    a, b = rows if rows is not None else (0, C)
+    nr = b - a
+    dev = q8.device
+    P = k8.shape[0]
+    cap = capacity(k, block_p)
+    grid = (max(1, triton.cdiv(nr, block_q)),)
+    if dense:
+        logits = torch.full((C, max(P, 1)), float("nan"), dtype=torch.float32, device=dev)
+        dummy = torch.empty(1, dtype=torch.int32, device=dev)
+        _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, dummy, dummy, dummy, dummy, k, pool_base, H, D,
+                block_q, block_p, cap, 1, True, num_warps, num_stages)  # fmt: skip
+        return logits[a:b]
+    if out is None:
+        out = torch.empty((nr, k), dtype=torch.int32, device=dev)
+    elif out.shape != (nr, k) or out.dtype != torch.int32 or out.stride(-1) != 1:
+        raise ValueError(f"out: expected an int32 tensor of shape {(nr, k)} with unit column stride, got "
+                         f"{out.dtype} {tuple(out.shape)}")  # fmt: skip
+    slots = grid[0] * block_q
+    buf_k = torch.empty((slots, cap), dtype=torch.int32, device=dev)
+    buf_i = torch.empty((slots, cap), dtype=torch.int32, device=dev)
+    emitted = torch.empty(nr, dtype=torch.int32, device=dev)
+    kp = 1 << max(0, k - 1).bit_length()
+    _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, out, out, buf_k, buf_i, emitted, k, pool_base, H, D,
+            block_q, block_p, cap, kp, False, num_warps, num_stages)  # fmt: skip
+    return out, emitted
+
+
+def _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, out, buf_k, buf_i, emitted, k, pool_base, H, D,
+            block_q, block_p, cap, kp, dense, num_warps, num_stages):  # fmt: skip
+    if cap < k + block_p:
+        raise AssertionError(f"candidate capacity {cap} < k + block_p = {k + block_p}")
+    _fused_kernel[grid](
+        q8, q8.stride(0), q8.stride(1), w, w.stride(0), k8, k_scale, starts, ends, a, nr,
+        logits, logits.stride(0), out, out.stride(0), buf_k, buf_i, emitted, k, pool_base,
+        H=H, D=D, BQ=block_q, BP=block_p, CAP=cap, KP=kp, DENSE=dense, num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=False,
+    )  # fmt: skip

@@ -1,0 +1,534 @@
+"""Deterministic Top-K selectors and their registry (contract §4: higher score first, ties
+toward the lower pool id, ``-0.0`` equal to ``+0.0``, NaN never selected).
+
+Every selector returns the same set for the same scores; they differ in where they run and
+how fast. Each is a registered :class:`Selector` that says what it supports and why not
+(:meth:`Selector.not_supported_reasons`), as backends do; :func:`select_pools` takes the
+first registered selector, by priority, that supports the request (:func:`choose`), and
+``python -m sp_kpool info`` lists them (:func:`describe`).
+
+Two kinds are registered:
+
+* **dense** selectors rank a chunk's scores ``[R, N]`` that a backend wrote
+  (:func:`select_pools`): ``triton`` (CUDA, exact, no host synchronisation), ``radix``
+  (LMDeploy's ``sparse_index_topk`` plus an exactness check), ``fp32-candidates`` (an FP32
+  ``torch.topk`` plus a tie check), ``int64-keys`` (the reference, any device) and
+  ``serving`` (``order="serving"``: LMDeploy's set in its order);
+* **fused** selectors score and select a chunk in one step, for one backend and precision
+  (:class:`FusedSelector`; :func:`choose_fused`): the pipeline uses one when it supports the
+  call and otherwise scores, then selects (:func:`sp_kpool.scoring.select_chunks`). A fused
+  kernel is one file under ``kernels/`` plus one :func:`register` call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _device
+from ._probe import probe
+
+__all__ = [
+    "SelectRequest",
+    "Selector",
+    "FusedSelector",
+    "SELECTORS",
+    "register",
+    "choose",
+    "choose_fused",
+    "describe",
+    "select_pools",
+    "reads_row_ranges_only",
+    "score_keys",
+    "topk_pools",
+    "topk_pools_fast",
+    "topk_pools_radix",
+    "serving_pools",
+    "FAST_EXTRA",
+]
+
+
+# Key of a masked-out (invisible) pool: below every real key, so it sorts last.
+_INVALID_KEY = torch.iinfo(torch.int64).min
+
+
+
+def _pack_keys(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """int64 ``(value, -column)`` keys: the FP32 bits of ``value + 0.0`` (``-0.0`` folds into
+    ``+0.0``) mapped to a monotone int32 in the high word, ``0xFFFFFFFF - column`` in the low."""
+    bits = (values.float() + 0.0).view(torch.int32).to(torch.int64)
+    return (torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) << 32) | (0xFFFFFFFF - cols)
+
+
+def _unpack_ids(keys: torch.Tensor, col0) -> torch.Tensor:
+    """Global ids ``col0 + column`` of keys made by :func:`_pack_keys`."""
+    return (0xFFFFFFFF - (keys & 0xFFFFFFFF)) + col0
+
+
+def score_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Totally ordered int64 keys: higher score first, ties toward the lower column.
+
+    ``scores``: ``[R, N]`` float32; ``visible``: ``[R, N]`` bool. The FP32 bit pattern is
+    mapped to a monotone int32 (``-0.0`` is first folded into ``+0.0`` so they tie), shifted
+    into the high word, and the low word holds ``0xFFFFFFFF - column``. Every key in a row is
+    distinct, so any Top-K over them (``torch.topk`` on CPU or CUDA) is deterministic.
+    Invisible entries and NaN scores get the minimum int64 (NaN is never selected, on any
+    path).
+    """
+    n = scores.shape[-1]
+    if n >= 2**32:
+        raise ValueError(f"scores: at most 2**32 columns supported, got {n}")
+    keys = _pack_keys(scores, torch.arange(n, device=scores.device, dtype=torch.int64))
+    return keys.masked_fill_(~visible | torch.isnan(scores), _INVALID_KEY)
+
+
+def topk_pools(
+    scores: torch.Tensor, visible: torch.Tensor, k: int, col0: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select ``min(k, visible count)`` pools per row, best first, ties toward lower id.
+
+    Args:
+        scores: ``[R, N]`` float32 scores of pools ``col0 .. col0 + N - 1``.
+        visible: ``[R, N]`` bool.
+        k: number of pools to select (``topk // kpool``).
+        col0: global pool id of column 0.
+
+    Returns:
+        pools: ``[R, min(k, N)]`` int64 global pool ids in score order, ``-1`` where unused
+        (unused entries always come last).
+        valid: ``[R, min(k, N)]`` bool.
+    """
+    kk = min(k, scores.shape[-1])
+    keys = score_keys(scores, visible)
+    top = torch.topk(keys, kk, dim=-1, sorted=True).values
+    valid = top != _INVALID_KEY
+    return _unpack_ids(top, col0).masked_fill_(~valid, -1), valid
+
+
+#: Extra candidates taken by :func:`topk_pools_fast` beyond ``k`` to settle boundary ties.
+FAST_EXTRA = 8
+
+
+def topk_pools_fast(scores: torch.Tensor, k: int, col0: int, extra: int = FAST_EXTRA):
+    """The same selection as :func:`topk_pools`, from an FP32 Top-K plus a small int64 one.
+
+    ``scores``: ``[R, N]`` float32 with ``-inf`` at invisible cells (visible scores are
+    finite). ``torch.topk`` takes ``k + extra`` candidates by value; when the ``k``-th
+    value is strictly above the last candidate's, every pool that the exact rule could pick
+    is a candidate, and ranking the candidates by :func:`score_keys` gives exactly the
+    exact answer. Otherwise (a tie run longer than ``extra`` at the boundary; one host
+    synchronisation per call to find out) the exact int64 Top-K runs on the whole block.
+    Returns ``(pools, valid)`` as :func:`topk_pools`.
+    """
+    n = scores.shape[-1]
+    kk = min(k, n)
+    kc = min(kk + extra, n)
+    if kc == n:
+        return topk_pools(scores, scores > -float("inf"), k, col0)
+    vals, idx = torch.topk(scores, kc, dim=-1, sorted=True)
+    boundary = vals[:, kk - 1]
+    ambiguous = (boundary == vals[:, kc - 1]) & (boundary > -float("inf"))
+    if bool(ambiguous.any()):
+        return topk_pools(scores, scores > -float("inf"), k, col0)
+    # rank candidates exactly: keys of (value, column) on the [R, kc] candidate block
+    keys = _pack_keys(vals, idx).masked_fill_(~(vals > -float("inf")), _INVALID_KEY)
+    top = torch.topk(keys, kk, dim=-1, sorted=True).values
+    valid = top != _INVALID_KEY
+    return _unpack_ids(top, col0).masked_fill_(~valid, -1), valid
+
+
+def topk_pools_radix(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, selector, ordered: bool = True):
+    """The same selection as :func:`topk_pools`, from LMDeploy's radix selector plus a check.
+
+    ``scores``: ``[R, N]`` float32, ``-inf`` at invisible cells, row ``r`` visible only
+    inside ``[0, ends[r])``; ``selector`` is ``sparse_index_topk`` (``k`` in {512, 2048}).
+    The selector returns *a* top-``k`` set in no particular order; it is the exact set
+    unless values equal to the row's threshold (its ``k``-th best) were left out, which one
+    pass over the scores detects. Such rows (one host synchronisation per call to find
+    them) are redone with :func:`topk_pools_fast`. With ``ordered`` the set is ranked by
+    :func:`score_keys` (score order); without, the ids come in no fixed order with ``-1``
+    anywhere (for callers that sort by pool id anyway). Returns ``(pools, valid)``.
+    """
+    R, n = scores.shape
+    if n <= k:
+        return topk_pools_fast(scores, k, col0)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    ends32 = ends.to(torch.int32).contiguous()
+    ones = torch.ones(R, dtype=torch.int32, device=scores.device)
+    idx = selector(scores, ones, ends32, k).long()  # [R, k], -1 fill
+    present = idx >= 0
+    vals = scores.gather(1, idx.clamp(min=0)).masked_fill_(~present, -float("inf"))
+    valid = vals > -float("inf")
+    thr = torch.where(valid, vals, float("inf")).amin(1, keepdim=True)
+    full = valid.sum(1) == k
+    eq_all = (scores == thr).sum(1)
+    eq_sel = (valid & (vals == thr)).sum(1)
+    if ordered:
+        keys = _pack_keys(vals, idx.clamp(min=0)).masked_fill_(~valid, _INVALID_KEY)
+        top = torch.sort(keys, dim=-1, descending=True).values
+        ok = top != _INVALID_KEY
+        pools = _unpack_ids(top, col0)
+    else:  # the set in the selector's order; -1 may sit anywhere
+        ok = valid
+        pools = idx + col0
+    pools = pools.masked_fill_(~ok, -1)
+    redo = torch.nonzero(full & (eq_all > eq_sel)).flatten()
+    if redo.numel():  # exact ties at the threshold: settle those rows by the exact rule
+        c0 = col0 if not isinstance(col0, torch.Tensor) else col0[redo]
+        fixed, fixed_ok = topk_pools_fast(scores[redo], k, c0)
+        pools[redo], ok[redo] = fixed, fixed_ok
+    return pools, ok
+
+
+def _radix_selector(k: int):
+    """LMDeploy's ``sparse_index_topk`` if importable and ``k`` is one of its sizes."""
+    if k not in (512, 2048):
+        return None
+    mod, _ = probe("lmdeploy.pytorch.kernels.cuda.sparse_index_topk")
+    return getattr(mod, "sparse_index_topk", None) if mod is not None else None
+
+
+def serving_pools(scores: torch.Tensor, ends: torch.Tensor, k: int, col0, selector) -> torch.Tensor:
+    """``order="serving"``: exactly what the serving selector returns, in its order.
+
+    LMDeploy's ``sparse_index_topk`` over each row's columns ``[0, ends[r])`` (``-inf`` at
+    invisible cells, which are dropped). Its set matches the exact rule except at exact
+    ties at the threshold, and its order comes from atomics: **not deterministic** between
+    calls. Use it only where parity with the rollout engine is the point.
+    """
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    R = scores.shape[0]
+    ones = torch.ones(R, dtype=torch.int32, device=scores.device)
+    idx = selector(scores, ones, ends.to(torch.int32).contiguous(), k).long()
+    ok = idx >= 0
+    ok &= scores.gather(1, idx.clamp(min=0)) > -float("inf")
+    # keep the selector's order among the kept ids; dropped ones move to the end
+    order = torch.sort((~ok).to(torch.int8), dim=-1, stable=True).indices
+    pools = torch.gather(idx + col0, 1, order)
+    return pools.masked_fill_(~torch.gather(ok, 1, order), -1)
+
+
+def _triton_select(k: int, width: int):
+    """:func:`sp_kpool.kernels.triton_topk.topk_ascending` if Triton imports and ``k`` and
+    the row ``width`` are within its limits (:func:`sp_kpool.kernels.triton_topk.supports`)."""
+    if probe("triton")[0] is None:
+        return None
+    from .kernels.triton_topk import supports, topk_ascending
+
+    return topk_ascending if supports(width, k) else None
+
+
+def _ascending(pools: torch.Tensor) -> torch.Tensor:
+    """``pools`` (``-1`` unused) sorted ascending, the ``-1`` last."""
+    big = torch.iinfo(pools.dtype).max
+    p = torch.sort(pools.masked_fill(pools < 0, big), dim=-1).values
+    return p.masked_fill_(p == big, -1)
+
+
+def _rank_by_score(scores: torch.Tensor, pools: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The selected ``pools`` (global ids, ``-1`` unused) of each row in score order."""
+    valid = pools >= 0
+    idx = torch.where(valid, pools.long() - base, 0)
+    keys = _pack_keys(scores.gather(1, idx), idx).masked_fill_(~valid, _INVALID_KEY)
+    top = torch.sort(keys, dim=-1, descending=True).values
+    return _unpack_ids(top, base).masked_fill_(top == _INVALID_KEY, -1)
+
+
+def _select_cuda(scores, visible, k: int, col0, ends, order: str, starts, out):
+    """The Triton selector's path of :func:`select_pools` (``out``: ``[R, k]`` or ``None``)."""
+    from .kernels.triton_topk import topk_ascending as fast
+
+    R, n = scores.shape
+    dev = scores.device
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -float("inf"))
+    base = col0.reshape(R) if isinstance(col0, torch.Tensor) else torch.full((R,), int(col0), device=dev)
+    lo = starts if starts is not None else torch.zeros(R, dtype=torch.int32, device=dev)
+    hi = ends if ends is not None else torch.full((R,), n, dtype=torch.int32, device=dev)
+    pools = fast(scores, lo, hi, base.to(torch.int64), k, out=out)
+    if out is not None:  # order "ascending": the kernel wrote -1 past min(k, visible) <= min(k, n)
+        return out
+    pools = pools[:, : min(k, n)]
+    return pools if order == "ascending" else _rank_by_score(scores, pools, base.reshape(R, 1))
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class SelectRequest:
+    """What one selection asks for: ``k`` pools per row out of rows ``width`` columns wide,
+    in ``order``, on ``device``; ``ranges``: each row's visible columns ``[start, end)`` are
+    given (:func:`select_pools`'s ``ends``)."""
+
+    k: int
+    width: int
+    order: str
+    device: torch.device
+    ranges: bool = True
+
+
+class Selector:
+    """A dense selector: ranks a chunk's ``[R, N]`` FP32 scores.
+
+    Subclasses set ``name``, ``priority`` (higher is tried first) and ``summary``, and
+    implement :meth:`not_supported_reasons` and :meth:`select`. ``reads_ranges_only``: the
+    selector reads only ``[start, end)`` of each row, so scorers may leave the other cells
+    unwritten (no ``-inf`` pass). ``writes_out``: :meth:`select` writes ``out`` itself
+    (``order="ascending"``); otherwise :func:`select_pools` copies its result there."""
+
+    name = "?"
+    priority = 0
+    summary = ""
+    kind = "dense"
+    reads_ranges_only = False
+    writes_out = False
+
+    def not_supported_reasons(self, req: SelectRequest) -> list[str]:
+        """Why this selector cannot serve ``req`` (empty: it can)."""
+        raise NotImplementedError
+
+    def select(self, scores, visible, k: int, col0, starts, ends, order: str, out=None) -> torch.Tensor:
+        """``[R, min(k, N)]`` global pool ids (``-1`` unused, last) in ``order`` (see
+        :func:`select_pools` for the arguments); with ``writes_out``, ``out`` written whole."""
+        raise NotImplementedError
+
+
+class FusedSelector:
+    """Scoring and selection of a chunk in one step, for one backend and its precisions.
+
+    ``backends``: the backend names whose prepared pools and queries it reads;
+    ``precisions``: the arithmetics whose scores it reproduces bit for bit.
+    :meth:`score_select` writes a chunk's selected pools (ascending pool id, ``-1`` after)
+    into ``out`` and returns counters for ``stats`` (candidates, overflow rows)."""
+
+    name = "?"
+    priority = 0
+    summary = ""
+    kind = "fused"
+    backends: tuple[str, ...] = ()
+    precisions: tuple[str, ...] = ()
+
+    def not_supported_reasons(self, backend, problem) -> list[str]:
+        """Why this selector cannot run ``problem`` on ``backend`` (empty: it can)."""
+        reasons = []
+        if backend.name not in self.backends:
+            reasons.append(f"backend {backend.name!r} not in {list(self.backends)}")
+        if problem.precision not in self.precisions:
+            reasons.append(f"precision {problem.precision!r} not in {list(self.precisions)}")
+        return reasons
+
+    def score_select(self, backend, problem, pools, call, out: torch.Tensor) -> dict:
+        """Select the pools of ``call``'s rows ``[call.a, call.b)`` into ``out``
+        (``[call.b - call.a, k]`` int32, every element written); returns counters."""
+        raise NotImplementedError
+
+
+#: Registered selectors by name (dense and fused), in registration order.
+SELECTORS: dict[str, Any] = {}
+
+
+def register(selector) -> Any:
+    """Register ``selector`` (a :class:`Selector` or :class:`FusedSelector` instance) under its
+    name; returns it. A name registered twice replaces the first."""
+    SELECTORS[selector.name] = selector
+    return selector
+
+
+def _ranked(kind: str) -> list:
+    return sorted((s for s in SELECTORS.values() if s.kind == kind), key=lambda s: -s.priority)
+
+
+def choose(req: SelectRequest) -> Selector:
+    """The dense selector of ``req``: the first by priority that supports it (``ValueError``
+    with every selector's reasons when none does)."""
+    reasons = {}
+    for s in _ranked("dense"):
+        why = s.not_supported_reasons(req)
+        if not why:
+            return s
+        reasons[s.name] = why
+    if req.order == "serving":  # the message users of order="serving" know
+        raise ValueError(f"order: 'serving' needs CUDA, lmdeploy and k in (512, 2048) pools, got k = {req.k} "
+                         f"on {req.device}")  # fmt: skip
+    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
+    raise ValueError(f"selection: no selector for k = {req.k} of {req.width} columns, order {req.order!r} on "
+                     f"{req.device}: {detail}")  # fmt: skip
+
+
+def choose_fused(backend, problem) -> FusedSelector | None:
+    """The fused selector for ``problem`` on ``backend`` (``None``: score, then select). Decided
+    from the call's host-side description only (the same on every rank)."""
+    for s in _ranked("fused"):
+        if not s.not_supported_reasons(backend, problem):
+            return s
+    return None
+
+
+def describe(device: torch.device, k: int = 512, width: int = 32768) -> list[tuple[str, str, str, list[str]]]:
+    """``(name, kind, summary, reasons)`` of every registered selector for an ascending
+    selection of ``k`` of ``width`` columns on ``device`` (fused selectors: the reasons that do
+    not depend on a call), for ``python -m sp_kpool info``."""
+    rows = []
+    for s in _ranked("dense") + _ranked("fused"):
+        if s.kind == "dense":
+            why = s.not_supported_reasons(SelectRequest(k, width, "ascending", device))
+        else:
+            why = s.static_reasons(device) if hasattr(s, "static_reasons") else []
+        rows.append((s.name, s.kind, s.summary, why))
+    return rows
+
+
+def reads_row_ranges_only(k: int, width: int, order: str) -> bool:
+    """Whether :func:`select_pools` on CUDA selects ``k`` of ``width`` columns with a selector
+    that reads only ``[start, end)`` of each row: scorers may then leave the other cells
+    unwritten (no ``-inf`` pass). The one place that decides it, for the selectors and the
+    scorers alike."""
+    try:
+        return choose(SelectRequest(k, width, order, torch.device("cuda"))).reads_ranges_only
+    except ValueError:
+        return False
+
+
+def select_pools(
+    scores, visible, k: int, col0, ends=None, order: str = "", starts=None, out=None
+) -> torch.Tensor:
+    """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` global pool ids, ``-1``.
+
+    ``scores``: ``[R, N]`` float32 for pools ``col0 + column`` (``col0`` an int or ``[R, 1]``
+    int64); ``visible``: ``[R, N]`` bool, or ``None`` when ``scores`` already holds ``-inf``
+    at invisible cells; ``starts``/``ends``: ``[R]`` the columns that may be visible
+    (optional; cells outside are ignored).
+
+    Order of each row: ``order="ascending"``: ascending pool id; ``"serving"``: the serving
+    selector's; otherwise score order. The selector is :func:`choose`'s for the request; all
+    return the same sets (on CUDA the Triton selector when it supports the request; on CPU
+    the int64-key path).
+
+    ``out``: optional ``[R, k]`` int32 destination (unit column stride, e.g. rows of the
+    pipeline's output): the row is written whole, ``-1`` past ``min(k, N)``, and ``out`` is
+    returned. A selector with ``writes_out`` writes into it directly; the others copy.
+    """
+    R, n = scores.shape
+    if out is not None and (out.shape != (R, k) or out.dtype != torch.int32 or out.device != scores.device):
+        raise ValueError(f"out: expected an int32 tensor of shape {(R, k)} on {scores.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")  # fmt: skip
+    device = torch.device("cuda") if _device.on_gpu(scores.device) else scores.device
+    sel = choose(SelectRequest(k, n, order, device, ends is not None))
+    if out is not None and sel.writes_out and order == "ascending":
+        return sel.select(scores, visible, k, col0, starts, ends, order, out)
+    pools = sel.select(scores, visible, k, col0, starts, ends, order)
+    if out is None:
+        return pools
+    out[:, : pools.shape[1]] = pools
+    out[:, pools.shape[1] :] = -1
+    return out
+
+
+def _mask(scores, visible):
+    """``scores`` with ``-inf`` at invisible cells and NaN (never selected)."""
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -float("inf"))
+    return torch.where(torch.isnan(scores), -float("inf"), scores)
+
+
+class _Int64Keys(Selector):
+    name = "int64-keys"
+    priority = 0
+    summary = "exact int64 (score, -column) keys and torch.topk; any device (the reference)"
+
+    def not_supported_reasons(self, req):
+        return ["order 'serving' needs the serving selector"] if req.order == "serving" else []
+
+    def select(self, scores, visible, k, col0, starts, ends, order, out=None):
+        if visible is None:
+            visible = scores > -float("inf")
+        pools = topk_pools(scores, visible, k, col0)[0]
+        return _ascending(pools) if order == "ascending" else pools
+
+
+class _Fp32Candidates(Selector):
+    name = "fp32-candidates"
+    priority = 10
+    summary = "FP32 torch.topk of k + 8 candidates, ranked by int64 keys; exact-tie rows redone (CUDA)"
+
+    def not_supported_reasons(self, req):
+        why = [] if req.device.type == "cuda" else [f"needs CUDA, got {req.device}"]
+        return why + (["order 'serving' needs the serving selector"] if req.order == "serving" else [])
+
+    def select(self, scores, visible, k, col0, starts, ends, order, out=None):
+        pools = topk_pools_fast(_mask(scores, visible), k, col0)[0]
+        return _ascending(pools) if order == "ascending" else pools
+
+
+class _Radix(Selector):
+    name = "radix"
+    priority = 20
+    summary = "LMDeploy's sparse_index_topk plus an exactness check (CUDA, k in 512, 2048)"
+
+    def not_supported_reasons(self, req):
+        why = []
+        if req.device.type != "cuda":
+            why.append(f"needs CUDA, got {req.device}")
+        if req.order == "serving":
+            why.append("order 'serving' needs the serving selector")
+        if not req.ranges:
+            why.append("needs the rows' ranges")
+        if not why and _radix_selector(req.k) is None:
+            why.append(f"needs lmdeploy's sparse_index_topk and k in (512, 2048), got k = {req.k}")
+        return why
+
+    def select(self, scores, visible, k, col0, starts, ends, order, out=None):
+        pools = topk_pools_radix(_mask(scores, visible), ends, k, col0, _radix_selector(k), ordered=order != "ascending")[0]
+        return _ascending(pools) if order == "ascending" else pools
+
+
+class _Triton(Selector):
+    name = "triton"
+    priority = 30
+    summary = "exact Triton selector (sp_kpool.kernels.triton_topk), no host synchronisation (CUDA)"
+    reads_ranges_only = True
+    writes_out = True
+
+    def not_supported_reasons(self, req):
+        why = []
+        if req.device.type != "cuda":
+            why.append(f"needs CUDA, got {req.device}")
+        if req.order == "serving":
+            why.append("order 'serving' needs the serving selector")
+        if not why and _triton_select(req.k, req.width) is None:
+            m, reason = probe("triton")
+            why.append(reason if m is None else f"k = {req.k} of {req.width} columns is outside the kernel's limits")
+        return why
+
+    def select(self, scores, visible, k, col0, starts, ends, order, out=None):
+        return _select_cuda(scores, visible, k, col0, ends, order, starts, out)
+
+
+class _Serving(Selector):
+    name = "serving"
+    priority = 40
+    summary = "order='serving': LMDeploy's sparse_index_topk, its set and (non-deterministic) order (CUDA)"
+
+    def not_supported_reasons(self, req):
+        if req.order != "serving":
+            return ["only for order 'serving'"]
+        why = [] if req.device.type == "cuda" else [f"needs CUDA, got {req.device}"]
+        if not req.ranges:
+            why.append("needs the rows' ranges")
+        if not why and _radix_selector(req.k) is None:
+            why.append(f"needs lmdeploy's sparse_index_topk and k in (512, 2048), got k = {req.k}")
+        return why
+
+    def select(self, scores, visible, k, col0, starts, ends, order, out=None):
+        if visible is not None:
+            scores = scores.masked_fill(~visible, -float("inf"))
+        return serving_pools(scores, ends, k, col0, _radix_selector(k))
+
+
+for _s in (_Int64Keys(), _Fp32Candidates(), _Radix(), _Triton(), _Serving()):
+    register(_s)
