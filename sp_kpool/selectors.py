@@ -532,3 +532,51 @@ class _Serving(Selector):
 
 for _s in (_Int64Keys(), _Fp32Candidates(), _Radix(), _Triton(), _Serving()):
     register(_s)
+
+
+class _TritonFp8Fused(FusedSelector):
+    """:mod:`sp_kpool.kernels.triton_fp8_fused` for the ``deepgemm`` backend's prepared pools
+    and queries: off unless ``Settings.fused`` (``SP_KPOOL_FUSED=1``) until it is measured
+    faster than DeepGEMM plus the Triton selector."""
+
+    name = "triton-fp8-fused"
+    priority = 10
+    summary = ("FP8 scores with DeepGEMM's per-logit arithmetic and a streaming exact Top-K in one Triton kernel, "
+               "logits never stored (deepgemm backend, order 'ascending'; opt-in: SP_KPOOL_FUSED=1)")  # fmt: skip
+    backends = ("deepgemm",)
+    precisions = ("fp8",)
+
+    def static_reasons(self, device) -> list[str]:
+        why = [] if device.type == "cuda" else [f"needs CUDA, got {device}"]
+        m, reason = probe("triton")
+        return why + ([reason] if m is None else [])
+
+    def not_supported_reasons(self, backend, problem) -> list[str]:
+        why = super().not_supported_reasons(backend, problem)
+        if why:  # another backend or arithmetic: nothing else to say
+            return why
+        if not problem.settings.fused:
+            why.append("off by default (SP_KPOOL_FUSED=1 turns it on)")
+        if problem.order != "ascending":
+            why.append(f"order {problem.order!r}: writes ascending pool ids only")
+        dev = torch.device("cuda") if _device.on_gpu(problem.device) else problem.device
+        why += self.static_reasons(dev)
+        if not why:
+            from .kernels.triton_fp8_fused import supports
+
+            why += supports(problem.heads, problem.head_dim, problem.topk // problem.kpool)
+        return why
+
+    def score_select(self, backend, problem, pools, call, out):
+        from .kernels.triton_fp8_fused import score_select
+
+        c = call.chunk
+        _, emitted = score_select(
+            call.q, call.w, pools.keys[c.pool_lo : c.pool_hi], pools.scales[c.pool_lo : c.pool_hi], call.starts,
+            call.ends, problem.topk // problem.kpool, rows=(call.a - c.first, call.b - c.first), pool_base=c.pool_lo,
+            out=out,
+        )  # fmt: skip
+        return {"candidates": emitted.sum(), "candidates_max": emitted.max(), "overflow_rows": 0}
+
+
+register(_TritonFp8Fused())

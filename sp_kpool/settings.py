@@ -64,6 +64,7 @@ ENV = {
     "capture_calls": "SP_KPOOL_CAPTURE_CALLS",
     "check_finite": "SP_KPOOL_CHECK_FINITE",
     "comm_timeout": "SP_KPOOL_COMM_TIMEOUT",
+    "fused": "SP_KPOOL_FUSED",
 }
 
 #: Seconds a rank waits in the agreement (the first collective of every call) for the
@@ -94,6 +95,9 @@ class Settings:
     check_finite: default of the operator's ``check_finite=`` (raise on non-finite inputs).
     comm_timeout: seconds the agreement (and on gloo every collective) waits for the other
         ranks (``> 0``).
+    fused: whether registered fused selectors that are off by default (not yet measured
+        faster than scoring, then selecting) may run (``SP_KPOOL_FUSED=1``); their ids are
+        the same bit for bit either way.
     env_error: the error of a variable that :func:`current_settings` could not read
         (raised by the operator inside its agreement, on every rank alike), or ``None``.
     """
@@ -107,6 +111,7 @@ class Settings:
     capture_calls: int = 1
     check_finite: bool = False
     comm_timeout: float = DEFAULT_COMM_TIMEOUT
+    fused: bool = False
     env_error: str | None = None
 
     def __post_init__(self):
@@ -125,6 +130,8 @@ class Settings:
             raise ValueError(f"{ENV['capture_calls']}: expected a non-negative integer, got {calls!r}")
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"{ENV['check_finite']}: expected 0 or 1, got {self.check_finite!r}")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"{ENV['fused']}: expected 0 or 1, got {self.fused!r}")
         t = self.comm_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ValueError(f"{ENV['comm_timeout']}: expected a positive number of seconds, got {t!r}")
@@ -231,6 +238,7 @@ _PARSERS = {
     "capture_calls": _integer(0, "a non-negative integer"),
     "check_finite": _flag,
     "comm_timeout": _seconds,
+    "fused": _flag,
 }
 
 

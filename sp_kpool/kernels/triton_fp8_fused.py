@@ -54,6 +54,10 @@ __all__ = ["score_select", "supports", "capacity"]
 #: Pools per block (the ``M`` of each dot; a multiple of 64 for wgmma).
 BLOCK_P = 64
 
+#: The last compiled kernel of each ``(H, block_q, block_p, dense)`` launched (its ``asm``
+#: holds the PTX the tests check for ``wgmma`` and no ``mma.sync``).
+compiled: dict = {}
+
 
 def capacity(k: int, block_p: int = BLOCK_P) -> int:
     """Candidate entries per row: the power of two ``>= k + block_p`` (never overflows)."""
@@ -258,9 +262,10 @@ def _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, out, buf_k, b
             block_q, block_p, cap, kp, dense, num_warps, num_stages):  # fmt: skip
     if cap < k + block_p:
         raise AssertionError(f"candidate capacity {cap} < k + block_p = {k + block_p}")
-    _fused_kernel[grid](
+    kernel = _fused_kernel[grid](
         q8, q8.stride(0), q8.stride(1), w, w.stride(0), k8, k_scale, starts, ends, a, nr,
         logits, logits.stride(0), out, out.stride(0), buf_k, buf_i, emitted, k, pool_base,
         H=H, D=D, BQ=block_q, BP=block_p, CAP=cap, KP=kp, DENSE=dense, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False,
     )  # fmt: skip
+    compiled[(H, block_q, block_p, dense)] = kernel

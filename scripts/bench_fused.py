@@ -1,0 +1,122 @@
+"""Benchmark of the fused FP8 path against the dense path and DeepGEMM alone, in one run.
+
+    python scripts/bench_fused.py [--heads 32,64,128] [--cases W,W262k,packed64] [--out DIR]
+
+Cases (rank 3 of a 4-rank split, D 128, kpool 4, topk 2048 unless ``--topk``): ``W`` one
+131072-token document (the reference slice), ``W262k`` one 262144-token document,
+``packed64`` 64 documents of 2048 tokens. For each case and H, by ``triton.testing.do_bench``:
+the whole call (``sp_kpool.pipeline.solve``, deepgemm backend) unfused and fused
+(``Settings(fused=True)``), DeepGEMM ``fp8_mqa_logits`` alone on the same prepared inputs
+(all rows in one call, ``clean_logits=False``), the Triton kernel alone in its dense mode and
+fused; the ratios to DeepGEMM alone; candidates per row the gate let through (mean, max);
+peak extra device memory of one whole call each way; and whether the fused ids equal the
+unfused ones. ``recency``: the kernel alone on W's inputs with pool scales rising along the
+sequence (later pools score higher). Writes ``bench_fused.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import torch
+
+from sp_kpool.backends import BACKENDS
+from sp_kpool.pipeline import solve
+from sp_kpool.settings import Settings
+from sp_kpool.testing.bench import do_bench_ms, log, package_versions, save
+from sp_kpool.testing.problems import rank_slice_problem
+
+CASES = {"W": (131072, None), "W262k": (262144, None), "packed64": (131072, [2048] * 64)}
+
+
+def peak_mb(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def one(case: str, H: int, topk: int) -> dict:
+    import deep_gemm
+
+    from sp_kpool.kernels import triton_fp8_fused as ff
+    from sp_kpool.plan import plan_chunks
+    from sp_kpool.pooling import pool_table
+
+    total, lengths = CASES[case]
+    p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=topk, precision="fp8", lengths=lengths,
+                           max_logits_bytes=2 * 2**30, device="cuda")  # fmt: skip
+    dense_p = dataclasses.replace(p, settings=Settings(fused=False))
+    fused_p = dataclasses.replace(p, settings=Settings(fused=True), counters={})
+    res = {"case": case, "H": H, "topk": topk, "rows": p.seq.shard_size}
+    t0 = time.perf_counter()
+    want = solve(dense_p, "deepgemm").ids
+    got = solve(fused_p, "deepgemm").ids
+    res["fused_equals_dense"] = bool(torch.equal(got, want))
+    res["fused_selector"] = fused_p.counters.get("selector")
+    res["whole_dense_ms"] = do_bench_ms(lambda: solve(dense_p, "deepgemm"))
+    res["whole_fused_ms"] = do_bench_ms(lambda: solve(dataclasses.replace(fused_p, counters={}), "deepgemm"))
+    res["peak_extra_mib_dense"] = peak_mb(lambda: solve(dense_p, "deepgemm"))
+    res["peak_extra_mib_fused"] = peak_mb(lambda: solve(dataclasses.replace(fused_p, counters={}), "deepgemm"))
+    # the same prepared inputs for the kernels alone: all this rank's rows in one call
+    be = BACKENDS["deepgemm"]
+    seq = p.seq
+    lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
+    pts = pool_table(seq.real_cu_seq_lens, p.kpool)[0].to("cuda")
+    plan = plan_chunks(seq, p.kpool, hi_row - lo_row, lo_row, hi_row, p.device, cache=False)
+    pools = be.pools(p, pts, None)
+    from sp_kpool.backends.base import QueryInputs
+
+    _, queries = be.prepare(p, None, QueryInputs(p.q, p.head_weights, lo_row))
+    q8, wq = queries.q, queries.w
+    starts, ends = plan.ranges[0, : hi_row - lo_row], plan.ranges[1, : hi_row - lo_row]
+    lo = plan.chunks[0].pool_lo
+    k8, ks = pools.keys[lo:], pools.scales[lo:]
+    k = topk // p.kpool
+    res["deepgemm_alone_ms"] = do_bench_ms(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends,
+                                                                              clean_logits=False))  # fmt: skip
+    res["triton_dense_alone_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k, dense=True))
+    res["triton_fused_alone_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k))
+    _, emitted = ff.score_select(q8, wq, k8, ks, starts, ends, k)
+    res["candidates_mean"] = float(emitted.float().mean())
+    res["candidates_max"] = int(emitted.max())
+    res["visible_mean"] = float((ends - starts).float().mean())
+    if case == "W":  # recency bias: later pools score higher
+        rising = ks * (1 + 3 * torch.arange(ks.numel(), device="cuda") / ks.numel())
+        res["recency_fused_alone_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, rising, starts, ends, k))
+        _, em = ff.score_select(q8, wq, k8, rising, starts, ends, k)
+        res["recency_candidates_mean"] = float(em.float().mean())
+        res["recency_candidates_max"] = int(em.max())
+    for key in ("whole_dense_ms", "whole_fused_ms", "triton_dense_alone_ms", "triton_fused_alone_ms"):
+        res[key.replace("_ms", "_over_deepgemm")] = res[key] / res["deepgemm_alone_ms"]
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", default="32,64,128")
+    ap.add_argument("--cases", default="W,packed64,W262k")
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
+    for case in args.cases.split(","):
+        for H in map(int, args.heads.split(",")):
+            try:
+                r = one(case, H, args.topk)
+            except Exception as exc:  # record and go on: one unsupported shape must not lose the rest
+                r = {"case": case, "H": H, "error": f"{type(exc).__name__}: {exc}"[:600]}
+            log(r)
+            doc["results"].append(r)
+            save(doc, args.out, "bench_fused.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The fused FP8 kernel (:mod:`sp_kpool.kernels.triton_fp8_fused`) on a GPU: its dense mode's
+logits bit for bit DeepGEMM's ``fp8_mqa_logits`` (``torch.equal`` on the int32 view of every
+in-range cell) at H 32, 64 and 128 on random inputs, heavy ties, ReLU plateaus, NaN and
+infinities, rows not multiples of the tiles; every compiled variant uses ``wgmma`` and no
+``mma.sync``; the fused selection equal to the pipeline's dense path (DeepGEMM + the Triton
+selector) bit for bit on whole calls, and repeated calls bitwise equal."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from sp_kpool.pipeline import solve
+from sp_kpool.settings import Settings
+from sp_kpool.testing.problems import rank_slice_problem
+
+pytestmark = [pytest.mark.requires("deep_gemm", "triton"), pytest.mark.xdist_group("gpu")]
+
+
+def _inputs(S, H, P, seed, case):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(S, H, 128, generator=g, device="cuda")
+    kv = torch.randn(P, 128, generator=g, device="cuda")
+    if case == "ties":
+        q, kv = torch.round(q * 2) / 2, torch.round(kv * 2) / 2
+    w = torch.randn(S, H, generator=g, device="cuda") * 0.2
+    scale = 2.0 ** torch.randint(-4, 4, (P,), generator=g, device="cuda").float()
+    if case == "plateau":
+        w[::3] = 0.0
+        w[1::3] = w[1::3].abs() * -1  # every score <= 0
+    if case == "nonfinite":
+        scale[[5, 77, 300]] = torch.tensor([float("nan"), float("inf"), -float("inf")], device="cuda")
+        w[2, 5] = float("nan")
+        w[4, 0] = float("inf")
+    return q.to(torch.float8_e4m3fn), w, kv.to(torch.float8_e4m3fn), scale
+
+
+def _ranges(S, P, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ends = torch.randint(0, P + 1, (S,), generator=g, device="cuda")
+    starts = (ends - torch.randint(0, P + 1, (S,), generator=g, device="cuda")).clamp(min=0)
+    ends[:3] = P
+    starts[:3] = 0
+    return starts.int(), ends.int()
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "plateau", "nonfinite"])
+@pytest.mark.parametrize("H,bq", [(32, 4), (64, 2), (64, 4), (128, 1), (128, 2)])
+def test_dense_logits_are_deepgemms_bit_for_bit(H, bq, case):
+    import deep_gemm
+
+    from sp_kpool.kernels import triton_fp8_fused as ff
+
+    S, P = 1021, 3001
+    q8, w, k8, scale = _inputs(S, H, P, seed=H + bq, case=case)
+    starts, ends = _ranges(S, P, seed=H)
+    ref = deep_gemm.fp8_mqa_logits(q8, (k8, scale), w, starts, ends, clean_logits=False)
+    got = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True, block_q=bq)
+    cols = torch.arange(P, device="cuda")
+    vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
+    a, b = got[vis].view(torch.int32), ref[:, :P][vis].view(torch.int32)
+    bad = int((a != b).sum())
+    assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[:, :P][vis][a != b][:4]}"
+    ptx = ff.compiled[(H, bq, ff.BLOCK_P, True)].asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned" in ptx and "e4m3.e4m3" in ptx and "mma.sync" not in ptx.replace(
+        "wgmma.mma_async.sync", "")  # fmt: skip
+
+
+@pytest.mark.parametrize("k", [512, 2048, 7])
+@pytest.mark.parametrize("H", [32, 64, 128])
+def test_fused_selection_equals_dense_plus_exact_selector(H, k):
+    from sp_kpool.kernels import triton_fp8_fused as ff
+    from sp_kpool.selectors import topk_pools, _ascending
+
+    S, P = 777, 5003
+    q8, w, k8, scale = _inputs(S, H, P, seed=k, case="random")
+    starts, ends = _ranges(S, P, seed=k)
+    dense = ff.score_select(q8, w, k8, scale, starts, ends, k, dense=True)
+    cols = torch.arange(P, device="cuda")
+    vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long()) & (dense > -float("inf"))
+    pools, ok = topk_pools(torch.where(vis, dense, 0.0), vis, k, 0)
+    want = torch.full((S, k), -1, dtype=torch.int32, device="cuda")
+    want[:, : pools.shape[1]] = _ascending(torch.where(ok, pools, -1)).int()
+    got, emitted = ff.score_select(q8, w, k8, scale, starts, ends, k)
+    assert torch.equal(got, want)
+    ptx = ff.compiled[(H, 4 if H == 32 else 2 if H == 64 else 1, ff.BLOCK_P, False)].asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned" in ptx
+
+
+CALLS = [dict(total=16384, lengths=None), dict(total=8195, lengths=[4000, 3, 4192]),
+         dict(total=131072, lengths=[2048] * 64)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CALLS, ids=["one-doc", "packed", "64x2048"])
+@pytest.mark.parametrize("H", [32, 64, 128])
+def test_whole_call_fused_equals_dense_path(H, case):
+    p = rank_slice_problem(case["total"], 4, 3, heads=H, head_dim=128, precision="fp8", lengths=case["lengths"],
+                           device="cuda")  # fmt: skip
+    want = solve(dataclasses.replace(p, settings=Settings(fused=False)), "deepgemm").ids
+    pf = dataclasses.replace(p, settings=Settings(fused=True), counters={})
+    got = solve(pf, "deepgemm").ids
+    assert pf.counters.get("selector") == "triton-fp8-fused", pf.counters
+    assert torch.equal(got, want)
+    for _ in range(3):
+        assert torch.equal(solve(dataclasses.replace(pf, counters={}), "deepgemm").ids, got)
