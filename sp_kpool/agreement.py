@@ -228,15 +228,17 @@ LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS + ("positions",))}
 LAYOUT_NAMES = {-1: "no ShardedSequence", -2: "another layout", **{i: name for name, i in LAYOUT_CODES.items()}}
 
 #: dtypes and device types as codes of the agreement (-1: not a tensor, -2: another one)
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
 _DTYPE_NAMES = {-1: "not a tensor", -2: "another dtype", **{i: str(d).replace("torch.", "") for i, d in enumerate(_DTYPES)}}
 _DEVICE_TYPES = ("cpu", "cuda", "meta")
 _DEVICE_NAMES = {-1: "not a tensor", -2: "another device type", **dict(enumerate(_DEVICE_TYPES))}
 
 
-def _tensor_signature(tensors: dict) -> list[tuple]:
-    """The dtype and device type of every input tensor: ranks that differ in them would
-    exchange buffers of other sizes (gloo aborts the process, NCCL may hang)."""
+def tensor_codes(tensors: dict) -> list[tuple]:
+    """Agreement entries (:func:`sp_kpool.comm.agree_or_raise`) for the dtype and device
+    type of every tensor of ``tensors`` (``{name: tensor or anything}``): ranks that differ
+    in them would exchange buffers of other sizes (gloo aborts the process, NCCL may hang)."""
     sig = []
     for name, t in tensors.items():
         is_t = isinstance(t, torch.Tensor)
@@ -251,7 +253,7 @@ def _signature(q, seq, call: Call | None, tensors: dict) -> list[tuple]:
     entries, in the same order, whatever the inputs (``-1`` where a value is missing)."""
     is_seq = isinstance(seq, ShardedSequence)
     three = isinstance(q, torch.Tensor) and q.dim() == 3
-    sig = _tensor_signature(tensors) + [
+    sig = tensor_codes(tensors) + [
         ("cu_seq_lens (crc32)", zlib.crc32(seq.cu_seq_lens.numpy().tobytes()) if is_seq else -1),
         ("len(cu_seq_lens)", seq.cu_seq_lens.numel() if is_seq else -1),
         ("layout", LAYOUT_CODES.get(seq.layout, -2) if is_seq else -1, LAYOUT_NAMES),
