@@ -161,6 +161,31 @@ def _check_finite(tensors: dict, seq: ShardedSequence) -> None:
             raise ValueError(f"{name}: expected finite values (check_finite), got {value} in {where}")
 
 
+_LAST_DIM = {"q": 2, "k": 1, "gates": 1, "ape": 1}
+
+
+def _head_dim(tensors: dict) -> tuple[int, list[str]]:
+    """The head dim ``D`` that ``q [S, H, D]``, ``k [S, D]``, ``gates [S, D]`` and
+    ``ape [K, D]`` must share, and the arguments that set it: the value most of them have
+    (a tie: the first in argument order), so that the error names the odd one out (a ``q``
+    of another head dim is a ``q`` error, not a ``k`` error)."""
+    dims = {n: t.shape[-1] for n, t in tensors.items()
+            if isinstance(t, torch.Tensor) and t.dim() == _LAST_DIM[n] + 1}  # fmt: skip
+    votes = list(dims.values())
+    D = max(votes, key=lambda d: (votes.count(d), -votes.index(d)))
+    return D, [n for n, d in dims.items() if d == D]
+
+
+def _check_dtypes(q, k, gates, head_weights, ape) -> None:
+    """The mixed-dtype rule (``docs/contract.md`` section 11): ``q`` and ``k`` meet in the
+    scores and must share one dtype (a BF16 ``q`` with FP32 ``k`` would be scored in FP32
+    with ``q`` rounded); ``gates``, ``ape`` (taken in FP32 by the slot softmax) and
+    ``head_weights`` (applied in FP32) may have any floating dtype."""
+    if k.dtype != q.dtype:
+        raise TypeError(f"k: expected dtype {q.dtype} (the dtype of q; q and k meet in the scores: cast one "
+                        f"of them), got {k.dtype}")  # fmt: skip
+
+
 def _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, settings, stats) -> Call:
     """Local checks, in argument order; raises on the first problem found."""
     _check_seq(seq)
@@ -182,10 +207,18 @@ def _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, se
         raise ValueError(f"q: expected H >= 1 and D >= 1, got shape {list(q.shape)}")
     dev = q.device
     config = config.resolve(settings, dev)
-    check_float_tensor("k", k, (S, D), dev)
-    check_float_tensor("gates", gates, (S, D), dev)
-    check_float_tensor("head_weights", head_weights, (S, H), dev)
-    check_float_tensor("ape", ape, (config.kpool, D), dev)
+    D, setters = _head_dim({"q": q, "k": k, "gates": gates, "ape": ape})
+    rows = "rows: seq.shard_size"
+
+    def because(name: str) -> str:  # the arguments that set D, but for the one checked
+        return "D: " + ", ".join(f"{n}.shape[{_LAST_DIM[n]}]" for n in setters if n != name)
+
+    check_float_tensor("q", q, (S, H, D), why=because("q"))
+    check_float_tensor("k", k, (S, D), dev, why=f"{rows}; {because('k')}")
+    check_float_tensor("gates", gates, (S, D), dev, why=f"{rows}; {because('gates')}")
+    check_float_tensor("head_weights", head_weights, (S, H), dev, why=f"{rows}; H: q.shape[1]")
+    check_float_tensor("ape", ape, (config.kpool, D), dev, why=f"rows: kpool; {because('ape')}")
+    _check_dtypes(q, k, gates, head_weights, ape)
     _check_output_size(seq, config)
     problem = Problem(q=q, head_weights=head_weights, k=k, gates=gates, ape=ape, seq=seq, config=config,
                       settings=settings)  # fmt: skip
