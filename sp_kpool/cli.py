@@ -202,6 +202,7 @@ def _cmd_parity(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; bad flags exit 2 with an argparse error naming the flag."""
+    from ._device import device_flag
     from .backends import backend_names
     from .settings import PRECISIONS
 
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     par.add_argument("--a", type=_arm, default="fp8", help="arm A (default fp8)")
     par.add_argument("--b", type=_arm, default="bf16-serving", help="arm B, the reference of relative errors (default bf16-serving)")
     par.add_argument("--out", help="directory for parity.json, parity.txt, the PNGs (and the synthetic capture)")
-    par.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    par.add_argument("--device", type=device_flag(auto=True), default="auto",
+                     help="auto (cuda if available), cpu, cuda, cuda:N")
     par.add_argument("--no-repeat", action="store_true", help="skip the second run of each arm (determinism check)")
     par.add_argument("--no-plots", action="store_true")
     par.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -265,3 +265,45 @@ def test_indexer_bf16_under_autocast_scores_q_and_k_in_one_dtype():
         prepared = m.prepare(hidden, q_resid)
         assert prepared["q"].dtype == prepared["k"].dtype == torch.bfloat16
         assert m(hidden, q_resid, seq).shape == (9, 8 + 4 - 1)
+
+
+@pytest.mark.parametrize("script", ["examples/xtuner_sp.py", "examples/megatron_cp.py", "examples/transformers_glm5.py",
+                                    "parity"])  # fmt: skip
+def test_device_cuda_without_cuda_is_an_error_of_the_flag(script, monkeypatch, capsys):
+    """``--device cuda`` on a host without CUDA: an argparse error of ``--device`` (exit 2)
+    in every command and example, before any rank starts (not a ZeroDivisionError in a
+    rank, not a torch traceback)."""
+    import importlib.util
+    import os
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if script == "parity":
+        from sp_kpool.cli import main
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        spec = importlib.util.spec_from_file_location("example_under_test", os.path.join(root, script))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        main = module.main
+    for value in ("cuda", "cuda:1"):
+        with pytest.raises(SystemExit) as info:
+            main((["parity", "--synthetic"] if script == "parity" else []) + ["--device", value])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --device: expected a device this host has, got '{value}': CUDA is not available here" in err
+
+
+def test_run_ranks_on_nccl_without_cuda_names_the_backend(monkeypatch):
+    from sp_kpool.testing.dist import run_ranks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="backend: 'nccl' needs CUDA GPUs, and CUDA is not available"):
+        run_ranks(print, 2, backend="nccl")
+
+
+def test_device_flag_names_a_bad_device():
+    from sp_kpool._device import check_device
+
+    with pytest.raises(ValueError, match=r"--device: expected one of \['cpu', 'cuda', 'cuda:N'\], got 'gpu'"):
+        check_device("--device", "gpu")
+    assert check_device("--device", "cpu") == "cpu" and check_device("--device", "auto", auto=True) == "auto"
