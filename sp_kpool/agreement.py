@@ -355,5 +355,6 @@ def _agree(seq, error: Exception | None, signature: list[tuple], settings, count
         return
     if not isinstance(settings, Settings):
         settings = current_settings()
-    agree_or_raise(ranks, error, signature, stats=counter, timeout=settings.comm_timeout)
+    agree_or_raise(ranks, error, signature, stats=counter, timeout=settings.comm_timeout,
+                   log_interval=settings.comm_log_interval)  # fmt: skip
 

@@ -26,6 +26,9 @@ variable                       meaning                                          
 ``SP_KPOOL_COMM_TIMEOUT``      seconds a rank waits for the other ranks in the  ``600``
                                agreement (and, on gloo, in every collective)
                                before it raises ``TimeoutError``
+``SP_KPOOL_COMM_LOG_INTERVAL`` seconds a rank waits in the agreement before it  ``30``
+                               logs which ranks have not arrived (and again
+                               every as many seconds; the timeout is unchanged)
 =============================  ==============================================  ===========
 
 A variable that cannot be read does not make one rank raise alone: the process settings
@@ -64,6 +67,7 @@ ENV = {
     "capture_calls": "SP_KPOOL_CAPTURE_CALLS",
     "check_finite": "SP_KPOOL_CHECK_FINITE",
     "comm_timeout": "SP_KPOOL_COMM_TIMEOUT",
+    "comm_log_interval": "SP_KPOOL_COMM_LOG_INTERVAL",
 }
 
 #: Seconds a rank waits in the agreement (the first collective of every call) for the
@@ -71,6 +75,10 @@ ENV = {
 #: that compiles kernels), short enough that a rank that died or never calls does not
 #: hold the others for the process group's timeout (30 minutes by default with NCCL).
 DEFAULT_COMM_TIMEOUT = 600.0
+
+#: Seconds a rank waits in the agreement before it logs which ranks have not arrived, and
+#: then the period of that log (a wait that explains itself; the timeout is unchanged).
+DEFAULT_COMM_LOG_INTERVAL = 30.0
 
 #: Logits budget without ``SP_KPOOL_MAX_LOGITS_BYTES``: 2 GiB on CUDA devices (fewer,
 #: larger chunks; each chunk costs host work) and 256 MiB elsewhere. Ranks on the same
@@ -94,6 +102,9 @@ class Settings:
     check_finite: default of the operator's ``check_finite=`` (raise on non-finite inputs).
     comm_timeout: seconds the agreement (and on gloo every collective) waits for the other
         ranks (``> 0``).
+    comm_log_interval: seconds a rank waits in the agreement before it logs (logger
+        ``sp_kpool``, a warning) which ranks have not arrived, then again every as many
+        seconds until the agreement completes or times out (``> 0``).
     env_error: the error of a variable that :func:`current_settings` could not read
         (raised by the operator inside its agreement, on every rank alike), or ``None``.
     """
@@ -107,6 +118,7 @@ class Settings:
     capture_calls: int = 1
     check_finite: bool = False
     comm_timeout: float = DEFAULT_COMM_TIMEOUT
+    comm_log_interval: float = DEFAULT_COMM_LOG_INTERVAL
     env_error: str | None = None
 
     def __post_init__(self):
@@ -128,6 +140,9 @@ class Settings:
         t = self.comm_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ValueError(f"{ENV['comm_timeout']}: expected a positive number of seconds, got {t!r}")
+        t = self.comm_log_interval
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"{ENV['comm_log_interval']}: expected a positive number of seconds, got {t!r}")
 
     def check(self) -> None:
         """Raise ``ValueError`` with :attr:`env_error` if a variable could not be read."""
@@ -231,6 +246,7 @@ _PARSERS = {
     "capture_calls": _integer(0, "a non-negative integer"),
     "check_finite": _flag,
     "comm_timeout": _seconds,
+    "comm_log_interval": _seconds,
 }
 
 
