@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from sp_kpool import kpool_topk  # noqa: E402
 from sp_kpool.integrations.megatron import key_reorder, sharded_sequence  # noqa: E402
-from sp_kpool.testing.dist import run_ranks  # noqa: E402
+from sp_kpool.testing.dist import device_flag, run_ranks  # noqa: E402
 
 SEQS = [37, 5, 64, 1, 22]  # real lengths of the packed sequences
 H, D, K, TOPK = 8, 16, 4, 16
@@ -89,7 +89,7 @@ def rank_main(rank, world_size, device, inject_fault):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--device", type=device_flag(), default="cpu", help="cpu or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--inject-fault", action="store_true", help="corrupt one id (the self-check must FAIL)")
     args = ap.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"

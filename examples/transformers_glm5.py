@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from sp_kpool.testing.dist import device_flag
+
 
 def tiny_glm5(device: str, seed: int = 0):
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
@@ -66,7 +68,7 @@ def row_sets(ids):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--device", type=device_flag(), default="cpu", help="cpu (default), cuda or cuda:N")
     parser.add_argument("--backend", default="torch", help="kpool_topk backend (torch, tilelang, deepgemm, auto)")
     parser.add_argument("--seq", type=int, default=40, help="tokens per row (default 40)")
     parser.add_argument("--perturb", action="store_true",

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from sp_kpool.integrations.xtuner import kpool_topk_indices  # noqa: E402
-from sp_kpool.testing.dist import run_ranks  # noqa: E402
+from sp_kpool.testing.dist import device_flag, run_ranks  # noqa: E402
 
 DOCS = [53, 7, 1, 75, 30]  # packed documents, odd lengths (the total is padded by the split)
 H, D, K, TOPK, ALIGN = 8, 16, 4, 16, 64
@@ -87,7 +87,7 @@ def rank_main(rank, world_size, device, inject_fault):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--device", type=device_flag(), default="cpu", help="cpu or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--inject-fault", action="store_true", help="corrupt one id (the self-check must FAIL)")
     args = ap.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"

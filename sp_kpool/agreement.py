@@ -161,6 +161,31 @@ def _check_finite(tensors: dict, seq: ShardedSequence) -> None:
             raise ValueError(f"{name}: expected finite values (check_finite), got {value} in {where}")
 
 
+_LAST_DIM = {"q": 2, "k": 1, "gates": 1, "ape": 1}
+
+
+def _head_dim(tensors: dict) -> tuple[int, list[str]]:
+    """The head dim ``D`` that ``q [S, H, D]``, ``k [S, D]``, ``gates [S, D]`` and
+    ``ape [K, D]`` must share, and the arguments that set it: the value most of them have
+    (a tie: the first in argument order), so that the error names the odd one out (a ``q``
+    of another head dim is a ``q`` error, not a ``k`` error)."""
+    dims = {n: t.shape[-1] for n, t in tensors.items()
+            if isinstance(t, torch.Tensor) and t.dim() == _LAST_DIM[n] + 1}  # fmt: skip
+    votes = list(dims.values())
+    D = max(votes, key=lambda d: (votes.count(d), -votes.index(d)))
+    return D, [n for n, d in dims.items() if d == D]
+
+
+def _check_dtypes(q, k, gates, head_weights, ape) -> None:
+    """The mixed-dtype rule (``docs/contract.md`` section 11): ``q`` and ``k`` meet in the
+    scores and must share one dtype (a BF16 ``q`` with FP32 ``k`` would be scored in FP32
+    with ``q`` rounded); ``gates``, ``ape`` (taken in FP32 by the slot softmax) and
+    ``head_weights`` (applied in FP32) may have any floating dtype."""
+    if k.dtype != q.dtype:
+        raise TypeError(f"k: expected dtype {q.dtype} (the dtype of q; q and k meet in the scores: cast one "
+                        f"of them), got {k.dtype}")  # fmt: skip
+
+
 def _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, settings, stats) -> Call:
     """Local checks, in argument order; raises on the first problem found."""
     _check_seq(seq)
@@ -182,10 +207,18 @@ def _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, se
         raise ValueError(f"q: expected H >= 1 and D >= 1, got shape {list(q.shape)}")
     dev = q.device
     config = config.resolve(settings, dev)
-    check_float_tensor("k", k, (S, D), dev)
-    check_float_tensor("gates", gates, (S, D), dev)
-    check_float_tensor("head_weights", head_weights, (S, H), dev)
-    check_float_tensor("ape", ape, (config.kpool, D), dev)
+    D, setters = _head_dim({"q": q, "k": k, "gates": gates, "ape": ape})
+    rows = "rows: seq.shard_size"
+
+    def because(name: str) -> str:  # the arguments that set D, but for the one checked
+        return "D: " + ", ".join(f"{n}.shape[{_LAST_DIM[n]}]" for n in setters if n != name)
+
+    check_float_tensor("q", q, (S, H, D), why=because("q"))
+    check_float_tensor("k", k, (S, D), dev, why=f"{rows}; {because('k')}")
+    check_float_tensor("gates", gates, (S, D), dev, why=f"{rows}; {because('gates')}")
+    check_float_tensor("head_weights", head_weights, (S, H), dev, why=f"{rows}; H: q.shape[1]")
+    check_float_tensor("ape", ape, (config.kpool, D), dev, why=f"rows: kpool; {because('ape')}")
+    _check_dtypes(q, k, gates, head_weights, ape)
     _check_output_size(seq, config)
     problem = Problem(q=q, head_weights=head_weights, k=k, gates=gates, ape=ape, seq=seq, config=config,
                       settings=settings)  # fmt: skip
@@ -228,15 +261,17 @@ LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS + ("positions",))}
 LAYOUT_NAMES = {-1: "no ShardedSequence", -2: "another layout", **{i: name for name, i in LAYOUT_CODES.items()}}
 
 #: dtypes and device types as codes of the agreement (-1: not a tensor, -2: another one)
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
 _DTYPE_NAMES = {-1: "not a tensor", -2: "another dtype", **{i: str(d).replace("torch.", "") for i, d in enumerate(_DTYPES)}}
 _DEVICE_TYPES = ("cpu", "cuda", "meta")
 _DEVICE_NAMES = {-1: "not a tensor", -2: "another device type", **dict(enumerate(_DEVICE_TYPES))}
 
 
-def _tensor_signature(tensors: dict) -> list[tuple]:
-    """The dtype and device type of every input tensor: ranks that differ in them would
-    exchange buffers of other sizes (gloo aborts the process, NCCL may hang)."""
+def tensor_codes(tensors: dict) -> list[tuple]:
+    """Agreement entries (:func:`sp_kpool.comm.agree_or_raise`) for the dtype and device
+    type of every tensor of ``tensors`` (``{name: tensor or anything}``): ranks that differ
+    in them would exchange buffers of other sizes (gloo aborts the process, NCCL may hang)."""
     sig = []
     for name, t in tensors.items():
         is_t = isinstance(t, torch.Tensor)
@@ -251,7 +286,7 @@ def _signature(q, seq, call: Call | None, tensors: dict) -> list[tuple]:
     entries, in the same order, whatever the inputs (``-1`` where a value is missing)."""
     is_seq = isinstance(seq, ShardedSequence)
     three = isinstance(q, torch.Tensor) and q.dim() == 3
-    sig = _tensor_signature(tensors) + [
+    sig = tensor_codes(tensors) + [
         ("cu_seq_lens (crc32)", zlib.crc32(seq.cu_seq_lens.numpy().tobytes()) if is_seq else -1),
         ("len(cu_seq_lens)", seq.cu_seq_lens.numel() if is_seq else -1),
         ("layout", LAYOUT_CODES.get(seq.layout, -2) if is_seq else -1, LAYOUT_NAMES),
@@ -320,5 +355,6 @@ def _agree(seq, error: Exception | None, signature: list[tuple], settings, count
         return
     if not isinstance(settings, Settings):
         settings = current_settings()
-    agree_or_raise(ranks, error, signature, stats=counter, timeout=settings.comm_timeout)
+    agree_or_raise(ranks, error, signature, stats=counter, timeout=settings.comm_timeout,
+                   log_interval=settings.comm_log_interval)  # fmt: skip
 

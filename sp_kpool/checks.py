@@ -88,21 +88,24 @@ def check_choice(name: str, value, choices: Sequence[str]) -> str:
 
 
 def check_tensor(name: str, x, shape: Sequence[int | None], device: torch.device | None = None,
-                 device_of: str = "q") -> torch.Tensor:  # fmt: skip
+                 device_of: str = "q", why: str | None = None) -> torch.Tensor:  # fmt: skip
     """``x`` if it is a tensor of ``shape`` (entries: an int, exact, or ``None``, any) on
-    ``device`` (when given; ``device_of`` names the tensor that set it)."""
+    ``device`` (when given; ``device_of`` names the tensor that set it). ``why``: where the
+    expected sizes come from (which argument sets each), shown in the error."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     if x.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, x.shape)):
-        raise ValueError(f"{name}: expected shape {want}, got {list(x.shape)}")
+        because = f" ({why})" if why else ""
+        raise ValueError(f"{name}: expected shape {want}{because}, got {list(x.shape)}")
     if device is not None and x.device != device:
         raise ValueError(f"{name}: expected device {device} (the device of {device_of}), got {x.device}")
     return x
 
 
-def check_float_tensor(name: str, x, shape: Sequence[int | None], device: torch.device | None = None) -> torch.Tensor:
+def check_float_tensor(name: str, x, shape: Sequence[int | None], device: torch.device | None = None,
+                       why: str | None = None) -> torch.Tensor:  # fmt: skip
     """:func:`check_tensor` of a floating-point tensor."""
     if isinstance(x, torch.Tensor) and not x.dtype.is_floating_point:
         raise TypeError(f"{name}: expected a floating-point dtype, got {x.dtype}")
-    return check_tensor(name, x, shape, device)
+    return check_tensor(name, x, shape, device, why=why)

@@ -130,7 +130,9 @@ def _cmd_demo(args) -> int:
     )
     t0 = time.perf_counter()
     try:
-        reports = run_ranks(_demo_rank, args.world_size, (lengths, args), timeout=args.timeout)
+        with _progress(args.progress_every, "the ranks are still running (each computes its rows and the world-size-1 "
+                                            "call)"):  # fmt: skip
+            reports = run_ranks(_demo_rank, args.world_size, (lengths, args), timeout=args.timeout)
     except RanksFailed as exc:
         print(f"FAIL: {exc}", file=sys.stderr)
         return 1
@@ -142,6 +144,30 @@ def _cmd_demo(args) -> int:
     ok = all(r.equal for r in reports)
     print(f"{'PASS' if ok else 'FAIL'}: {sum(r.equal for r in reports)}/{len(reports)} ranks bitwise equal ({dt:.1f} s)")
     return 0 if ok else 1
+
+
+class _progress:
+    """A context that prints ``[N s] what`` every ``every`` seconds while its body runs (a
+    long demo is not silent)."""
+
+    def __init__(self, every: float, what: str) -> None:
+        import threading
+
+        self.every, self.what, self.stop = every, what, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self.stop.wait(self.every):
+            print(f"[{time.perf_counter() - t0:.0f} s] {self.what}", flush=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def _demo_rank(rank, world_size, lengths, args):
@@ -191,26 +217,36 @@ def _cmd_parity(args) -> int:
                 raise ValueError("CAPTURE: expected a capture file (or --synthetic), got none")
             report = replay(capture, a, b, device=args.device, repeat=not args.no_repeat, progress=progress)
         print(format_table(report))
-        if args.out:
-            for p in write_outputs(report, args.out, plots=not args.no_plots):
-                print(f"wrote {p}")
+        out = args.out or time.strftime("sp_kpool-parity-%Y%m%d-%H%M%S")
+        for p in write_outputs(report, out, plots=not args.no_plots):
+            print(f"wrote {p}")
+        if not args.out:
+            print(f"(the files are in {out}/, a new folder of the current directory: --out DIR chooses another)")
     except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
+_FLAG_HELP = {"world_size": "ranks", "heads": "index heads H", "head_dim": "index head dim D",
+              "kpool": "tokens per pool K", "seed": "random seed of the inputs", "topk": "tokens selected per query T",
+              "docs": "documents", "tokens": "global length", "hidden_size": "hidden size",
+              "q_lora_rank": "q_lora_rank"}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; bad flags exit 2 with an argparse error naming the flag."""
+    from ._device import device_flag
     from .backends import backend_names
     from .settings import PRECISIONS
 
     ap = argparse.ArgumentParser(prog="python -m sp_kpool", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    info = sub.add_parser("info", help="print every backend, available or not, and why")
+    fmt = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
+    info = sub.add_parser("info", help="print every backend, available or not, and why", **fmt)
     info.add_argument("--heads", type=_int_at_least(1), default=64)
     info.add_argument("--head-dim", type=_int_at_least(1), default=128)
-    demo = sub.add_parser("demo", help="a sharded CPU run (gloo) checked against world size 1")
+    demo = sub.add_parser("demo", help="a sharded CPU run (gloo) checked against world size 1", **fmt)
     demo.add_argument("--world-size", type=_int_at_least(1), default=4)
     demo.add_argument("--tokens", type=_int_at_least(1), default=4099, help="global length (odd by default)")
     demo.add_argument("--docs", type=_int_at_least(1), default=5, help="documents (at most --tokens)")
@@ -220,22 +256,27 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--topk", type=_int_at_least(1), default=256, help="a multiple of --kpool")
     demo.add_argument("--seed", type=_int_at_least(0), default=0)
     demo.add_argument("--timeout", type=_float_in(0, open_low=True), default=300.0, help="seconds")
+    demo.add_argument("--progress-every", type=_float_in(0, open_low=True), default=10.0,
+                      help="seconds between progress lines while the ranks run")  # fmt: skip
     demo.add_argument("--layout", choices=["contiguous", "zigzag", "zigzag-per-document", "positions"],
                       default="contiguous", help="which rows each rank owns (positions: a random permutation)")
     par = sub.add_parser(
         "parity",
         help="replay a captured indexer call in two arms (precision[:backend]) and compare them",
         description="Recompute a capture (sp_kpool.capture) in arms A and B on identical inputs and print "
-        "a table; with --out also parity.json, parity.txt and two PNG plots. An arm is "
+        "a table, and write parity.json, parity.txt and two PNG plots (to --out). An arm is "
         "precision[:backend][+decode], precision in bf16, bf16-serving, fp8; backend defaults to auto; "
         "+decode compresses every pool in the decode order, ignoring the captured prompt lengths "
         "(fp8 vs fp8+decode: what the compression schedule changes).",
+        **fmt,
     )
     par.add_argument("capture", nargs="?", metavar="CAPTURE", help="a capture file (other ranks' files are read from its directory)")
-    par.add_argument("--a", type=_arm, default="fp8", help="arm A (default fp8)")
-    par.add_argument("--b", type=_arm, default="bf16-serving", help="arm B, the reference of relative errors (default bf16-serving)")
-    par.add_argument("--out", help="directory for parity.json, parity.txt, the PNGs (and the synthetic capture)")
-    par.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    par.add_argument("--a", type=_arm, default="fp8", help="arm A")
+    par.add_argument("--b", type=_arm, default="bf16-serving", help="arm B, the reference of relative errors")
+    par.add_argument("--out", help="directory for parity.json, parity.txt, the PNGs (and the synthetic capture); "
+                     "default: a new folder sp_kpool-parity-DATE-TIME in the current directory")  # fmt: skip
+    par.add_argument("--device", type=device_flag(auto=True), default="auto",
+                     help="auto (cuda if available), cpu, cuda, cuda:N")
     par.add_argument("--no-repeat", action="store_true", help="skip the second run of each arm (determinism check)")
     par.add_argument("--no-plots", action="store_true")
     par.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -258,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     syn.add_argument("--prompt-fraction", type=_float_in(0, 1), default=None,
                      help="record prompt lengths of this fraction of every document (the serving compression "
                           "schedule: prompt pools in extend order); default: none (all decode)")  # fmt: skip
+    for parser in (info, demo, par):  # every flag with a value shows its default in --help
+        for action in parser._actions:
+            if action.help is None and action.default is not None and action.default is not False:
+                action.help = _FLAG_HELP.get(action.dest, action.dest.replace("_", " "))
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         _check_operator_flags(demo, args)

@@ -22,6 +22,7 @@ gather function.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from datetime import timedelta
 from typing import Sequence
@@ -29,10 +30,12 @@ from typing import Sequence
 import torch
 
 from ._device import to_device
-from .settings import DEFAULT_COMM_TIMEOUT, ENV
+from .settings import DEFAULT_COMM_LOG_INTERVAL, DEFAULT_COMM_TIMEOUT, ENV
 from .sharding import ShardedSequence
 
 TIMEOUT_VARIABLE = ENV["comm_timeout"]
+LOG_INTERVAL_VARIABLE = ENV["comm_log_interval"]
+logger = logging.getLogger("sp_kpool")
 
 __all__ = [
     "CommStats",
@@ -339,10 +342,119 @@ def wait_or_raise(work, timeout: float, what: str) -> None:
                            f"rank died or closed its connection (the cause is the backend's error)") from exc  # fmt: skip
 
 
-def _all_gather_timed(x: torch.Tensor, seq, timeout: float, what: str) -> torch.Tensor:
-    """``[world, *x.shape]``: every rank's ``x``, in rank order, within ``timeout`` s."""
+class _Arrivals:
+    """Which ranks reached the agreement, told through the process group's store, only
+    once a wait has lasted :data:`_ANNOUNCE_AFTER` seconds (a prompt agreement never
+    touches the store). Each rank counts its agreements per group (call ``n``); a rank
+    that waits writes the key of ``(group, n, rank)``; the ranks without a key have not
+    arrived (or arrived less than a second ago)."""
+
+    _calls: dict = {}
+
+    def __init__(self, seq) -> None:
+        import torch.distributed as dist
+
+        self.seq, self.store, self.keys = seq, None, []
+        try:
+            pg = dist.group.WORLD if seq.group is None else seq.group
+            from torch.distributed import distributed_c10d as c10d
+
+            self.store = c10d._get_process_group_store(pg)
+            name = getattr(pg, "group_name", "") or "world"
+        except Exception:  # noqa: BLE001 - no store: the log says the ranks are unknown
+            name = "world"
+        key = (name, seq.world_size)
+        self.call = _Arrivals._calls[key] = _Arrivals._calls.get(key, 0) + 1
+        self.prefix = f"sp_kpool/agreement/{name}/{self.call}/"
+
+    def announce(self) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(self.prefix + str(self.seq.rank), "1")
+                self.keys.append(self.prefix + str(self.seq.rank))
+            except Exception:  # noqa: BLE001
+                self.store = None
+
+    def missing(self) -> list[int] | None:
+        """The ranks that have not announced (``None``: unknown)."""
+        if self.store is None:
+            return None
+        try:
+            return [r for r in range(self.seq.world_size) if not self.store.check([self.prefix + str(r)])]
+        except Exception:  # noqa: BLE001
+            return None
+
+    def done(self) -> None:
+        for k in self.keys:
+            try:
+                self.store.delete_key(k)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+#: Seconds an agreement waits before the rank announces its arrival in the store.
+_ANNOUNCE_AFTER = 1.0
+
+
+def _wait_explained(work, seq, timeout: float, what: str, log_interval: float) -> None:
+    """:func:`wait_or_raise`, logging (a warning of the ``sp_kpool`` logger) after
+    ``log_interval`` seconds, and every ``log_interval`` seconds after that, which ranks
+    have not arrived. The timeout is unchanged. On gloo the wait is cut into slices; NCCL
+    waits in one piece, as before (a cut NCCL wait may abort the communicator)."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(seq.group)).lower():
+        wait_or_raise(work, timeout, what)
+        return
+    arrivals = _Arrivals(seq)
+    t0 = time.monotonic()
+    marks = [min(_ANNOUNCE_AFTER, log_interval)]  # seconds since t0 at which to wake
+    next_log = log_interval
+    try:
+        while True:
+            until = min(marks[0] if marks else next_log, next_log, timeout)
+            try:
+                work.wait(timeout=timedelta(seconds=max(until - (time.monotonic() - t0), 1e-3)))
+                return
+            except RuntimeError as exc:
+                waited = time.monotonic() - t0
+                if waited >= 0.99 * timeout:
+                    raise TimeoutError(
+                        f"{what}: not every rank answered within {timeout:g} s ({TIMEOUT_VARIABLE}): a rank died, "
+                        f"stopped answering or did not make this call"
+                    ) from exc
+                if waited < 0.99 * until:
+                    raise RuntimeError(f"{what}: the collective failed before the {timeout:g} s timeout "
+                                       f"({TIMEOUT_VARIABLE}): a rank died or closed its connection (the cause "
+                                       f"is the backend's error)") from exc  # fmt: skip
+            if marks and waited >= 0.99 * marks[0]:
+                marks.pop(0)
+                arrivals.announce()
+            if waited >= 0.99 * next_log:
+                next_log += log_interval
+                missing = arrivals.missing()
+                who = ("ranks not known (no store)" if missing is None else
+                       f"rank(s) {missing} of {seq.world_size} have not arrived")  # fmt: skip
+                logger.warning(
+                    "sp_kpool: rank %d of %d has waited %.0f s in the %s (call %d in this process group): %s; "
+                    "it raises TimeoutError after %g s (%s; this message every %g s: %s)",
+                    seq.rank, seq.world_size, waited, what, arrivals.call, who, timeout, TIMEOUT_VARIABLE,
+                    log_interval, LOG_INTERVAL_VARIABLE,
+                )  # fmt: skip
+    finally:
+        arrivals.done()
+
+
+def _all_gather_timed(x: torch.Tensor, seq, timeout: float, what: str,
+                      log_interval: float | None = None) -> torch.Tensor:  # fmt: skip
+    """``[world, *x.shape]``: every rank's ``x``, in rank order, within ``timeout`` s
+    (``log_interval``: log which ranks have not arrived, :func:`_wait_explained`)."""
     out = torch.empty((seq.world_size, *x.shape), dtype=x.dtype, device=x.device)
-    wait_or_raise(_gather_into_tensor()(out, x[None].contiguous(), group=seq.group, async_op=True), timeout, what)
+    work = _gather_into_tensor()(out, x[None].contiguous(), group=seq.group, async_op=True)
+    if log_interval is None:
+        wait_or_raise(work, timeout, what)
+    else:
+        _wait_explained(work, seq, timeout, what, log_interval)
     return out
 
 
@@ -363,6 +475,7 @@ def agree_or_raise(
     *,
     stats: CommStats | None = None,
     timeout: float | None = None,
+    log_interval: float | None = None,
 ) -> None:
     """Fail on every rank alike if any rank saw bad input or ranks disagree.
 
@@ -380,8 +493,10 @@ def agree_or_raise(
     each disagreeing entry, its value on every rank and the ranks that differ. The failing
     rank's own exception is chained as the cause. Both collectives wait at most
     ``timeout`` seconds (default :data:`~sp_kpool.settings.DEFAULT_COMM_TIMEOUT`;
-    :func:`wait_or_raise`). With world size 1 this raises ``local_error`` itself (no
-    communication).
+    :func:`wait_or_raise`). A rank that waits logs after ``log_interval`` seconds
+    (default :data:`~sp_kpool.settings.DEFAULT_COMM_LOG_INTERVAL`), and every as many
+    seconds after, which ranks have not arrived (on gloo). With world size 1 this raises
+    ``local_error`` itself (no communication).
     """
     code = _error_code(local_error)
     if seq.world_size == 1:
@@ -394,7 +509,8 @@ def agree_or_raise(
     dev = comm_device(seq)
     text = b"" if local_error is None else str(local_error).encode()
     vec = torch.tensor([code, len(text)] + [int(e[1]) for e in signature], dtype=torch.int64, device=dev)
-    allv = _all_gather_timed(vec, seq, timeout, "agreement").cpu()  # [world, 2 + n]
+    log_interval = DEFAULT_COMM_LOG_INTERVAL if log_interval is None else log_interval
+    allv = _all_gather_timed(vec, seq, timeout, "agreement", log_interval).cpu()  # [world, 2 + n]
     if stats is not None:
         moved = (seq.world_size - 1) * _nbytes(vec)
         stats.add("validate", moved, moved)

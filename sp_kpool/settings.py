@@ -26,6 +26,11 @@ variable                       meaning                                          
 ``SP_KPOOL_COMM_TIMEOUT``      seconds a rank waits for the other ranks in the  ``600``
                                agreement (and, on gloo, in every collective)
                                before it raises ``TimeoutError``
+``SP_KPOOL_COMM_LOG_INTERVAL`` seconds a rank waits in the agreement before it  ``30``
+                               logs which ranks have not arrived (and again
+                               every as many seconds; the timeout is unchanged)
+``SP_KPOOL_FUSED``             ``1``: registered fused selectors that are off   ``0``
+                               by default may run (same ids bit for bit)
 =============================  ==============================================  ===========
 
 A variable that cannot be read does not make one rank raise alone: the process settings
@@ -65,6 +70,7 @@ ENV = {
     "check_finite": "SP_KPOOL_CHECK_FINITE",
     "comm_timeout": "SP_KPOOL_COMM_TIMEOUT",
     "fused": "SP_KPOOL_FUSED",
+    "comm_log_interval": "SP_KPOOL_COMM_LOG_INTERVAL",
 }
 
 #: Seconds a rank waits in the agreement (the first collective of every call) for the
@@ -72,6 +78,10 @@ ENV = {
 #: that compiles kernels), short enough that a rank that died or never calls does not
 #: hold the others for the process group's timeout (30 minutes by default with NCCL).
 DEFAULT_COMM_TIMEOUT = 600.0
+
+#: Seconds a rank waits in the agreement before it logs which ranks have not arrived, and
+#: then the period of that log (a wait that explains itself; the timeout is unchanged).
+DEFAULT_COMM_LOG_INTERVAL = 30.0
 
 #: Logits budget without ``SP_KPOOL_MAX_LOGITS_BYTES``: 2 GiB on CUDA devices (fewer,
 #: larger chunks; each chunk costs host work) and 256 MiB elsewhere. Ranks on the same
@@ -98,6 +108,9 @@ class Settings:
     fused: whether registered fused selectors that are off by default (not yet measured
         faster than scoring, then selecting) may run (``SP_KPOOL_FUSED=1``); their ids are
         the same bit for bit either way.
+    comm_log_interval: seconds a rank waits in the agreement before it logs (logger
+        ``sp_kpool``, a warning) which ranks have not arrived, then again every as many
+        seconds until the agreement completes or times out (``> 0``).
     env_error: the error of a variable that :func:`current_settings` could not read
         (raised by the operator inside its agreement, on every rank alike), or ``None``.
     """
@@ -112,6 +125,7 @@ class Settings:
     check_finite: bool = False
     comm_timeout: float = DEFAULT_COMM_TIMEOUT
     fused: bool = False
+    comm_log_interval: float = DEFAULT_COMM_LOG_INTERVAL
     env_error: str | None = None
 
     def __post_init__(self):
@@ -135,6 +149,9 @@ class Settings:
         t = self.comm_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ValueError(f"{ENV['comm_timeout']}: expected a positive number of seconds, got {t!r}")
+        t = self.comm_log_interval
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"{ENV['comm_log_interval']}: expected a positive number of seconds, got {t!r}")
 
     def check(self) -> None:
         """Raise ``ValueError`` with :attr:`env_error` if a variable could not be read."""
@@ -239,6 +256,7 @@ _PARSERS = {
     "check_finite": _flag,
     "comm_timeout": _seconds,
     "fused": _flag,
+    "comm_log_interval": _seconds,
 }
 
 

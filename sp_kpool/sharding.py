@@ -408,6 +408,81 @@ class ShardedSequence:
         """Storage index of each of :meth:`real_rows`' rows on ``rank``, int64 CPU."""
         return self._ownership[1][self.rank if rank is None else rank]
 
+    # ----------------------------------------------------------------- a rank's rows
+    @functools.cached_property
+    def padding_rows(self) -> torch.Tensor:
+        """``[S_local]`` bool CPU: which of this rank's rows (storage order) are padding.
+        The operator never reads them and returns them all ``-1``; what they hold does not
+        matter (:meth:`local_rows` fills them)."""
+        return self.real_of_stream[self.positions] < 0
+
+    def local_rows(self, x: torch.Tensor, fill: float | int | bool = 0) -> torch.Tensor:
+        """This rank's rows of a global per-token tensor, in storage order.
+
+        Args:
+            x: ``[num_real_tokens, ...]``, any dtype and device: one row per real token of
+                the user's documents, packed without padding, in document order (what a
+                world-size-1 call on the same documents takes).
+            fill: the value of the padding rows (:attr:`padding_rows`).
+
+        Returns:
+            ``[S_local, ...]``, ``x``'s dtype and device: row ``i`` is the token at stream
+            position ``positions[i]``, the input of :func:`sp_kpool.kpool_topk` on this
+            rank, whatever the layout (padding per document in ``zigzag-per-document``,
+            at the end in ``contiguous``, none with :meth:`from_positions`). No
+            communication. :meth:`global_rows` is the inverse.
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor [num_real_tokens, ...], got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[0] != self.num_real_tokens:
+            raise ValueError(f"x: expected shape [{self.num_real_tokens}, ...] (one row per real token: "
+                             f"seq.num_real_tokens), got {list(x.shape)}")  # fmt: skip
+        out = x.new_full((self.shard_size, *x.shape[1:]), fill)
+        dev = x.device
+        out[self.storage_index().to(dev)] = x[self.real_rows().to(dev)]
+        return out
+
+    def global_rows(self, rows: torch.Tensor, *, timeout: float | None = None) -> torch.Tensor:
+        """Every rank's rows back as one global per-token tensor: the inverse of
+        :meth:`local_rows`.
+
+        A collective over ``group``: every rank of the sequence must call it, with rows of
+        the same dtype and trailing shape (checked first, on every rank alike, like the
+        operator's agreement). With world size 1 and no group it is local.
+
+        Args:
+            rows: ``[S_local, ...]``: this rank's rows in storage order (e.g. the ids
+                :func:`sp_kpool.kpool_topk` returned, or ``seq.real_ids`` of them).
+                Padding rows are dropped.
+            timeout: seconds to wait for the other ranks (default: the settings'
+                ``comm_timeout``).
+
+        Returns:
+            ``[num_real_tokens, ...]`` on ``rows.device``, in real-token order (the rows of
+            a world-size-1 call on the same documents).
+        """
+        from .agreement import tensor_codes
+        from .comm import agree_or_raise, gather_keys
+        from .settings import current_settings
+
+        error = None
+        if not isinstance(rows, torch.Tensor):
+            error = TypeError(f"rows: expected a torch.Tensor [S_local, ...], got {type(rows).__name__}")
+        elif rows.dim() < 1 or rows.shape[0] != self.shard_size:
+            error = ValueError(f"rows: expected shape [{self.shard_size}, ...] (seq.shard_size of rank "
+                               f"{self.rank}/{self.world_size}), got {list(rows.shape)}")  # fmt: skip
+        ok = isinstance(rows, torch.Tensor) and rows.dim() >= 1
+        trailing = zlib.crc32(repr(list(rows.shape[1:])).encode()) if ok else -1
+        signature = tensor_codes({"rows": rows}) + [("rows.shape[1:] (crc32)", trailing)]
+        if timeout is None:
+            timeout = current_settings().comm_timeout
+        if self.world_size == 1 and self.group is None:
+            if error is not None:
+                raise error
+        else:
+            agree_or_raise(self, error, signature, timeout=timeout)
+        return gather_keys(rows, self, timeout=timeout)[: self.num_real_tokens]
+
     @functools.cached_property
     def owner_of_real(self) -> torch.Tensor:
         """``[N]`` int64 CPU: the rank that owns each real row."""

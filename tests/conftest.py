@@ -4,6 +4,16 @@ import sys
 # Tests import the package from the checkout even when it is not installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# matplotlib (the parity plots) keeps its config and font cache in MPLCONFIGDIR: a
+# temporary folder of this session, not ~/.config/matplotlib or ~/.cache/matplotlib.
+if "MPLCONFIGDIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix="sp_kpool_mpl_")
+    atexit.register(shutil.rmtree, os.environ["MPLCONFIGDIR"], True)
+
 # Property tests draw new examples on every run unless CI is set: CI runs a fixed set of
 # examples (a red CI run must be reproducible), local runs keep exploring.
 try:

@@ -27,6 +27,13 @@ def _g(x: Any) -> str:
     return str(x)
 
 
+#: Said in the table and on the overlap plot when no query of the capture has more visible
+#: pools than it selects (e.g. tokens <= topk): every row takes all its pools in both arms.
+NO_CHOICE = ("no row of this capture has a Top-K choice (every query sees at most topk // kpool pools, "
+             "e.g. tokens <= topk): both arms select all visible pools, so the Top-K sets cannot differ; "
+             "use a longer capture")
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report as an aligned text table."""
     c, arms, d = report["capture"], report["arms"], report["diff"]
@@ -92,6 +99,8 @@ def format_table(report: dict[str, Any]) -> str:
         )
     )
     j = t["jaccard_rows_with_choice"]
+    if not t["rows_with_choice"]:
+        rows.append(("note", NO_CHOICE, ""))
     if j:
         rows.append(
             (
@@ -155,6 +164,8 @@ def _plots(report: dict[str, Any], out: Path) -> list[Path]:
     x = [r for r, c in zip(pq["row"], pq["has_choice"]) if c]
     y = [v for v, c in zip(pq["jaccard"], pq["has_choice"]) if c]
     ax.scatter(x, y, s=2, lw=0)
+    if not x:  # an empty axis would look like a broken plot
+        ax.text(0.5, 0.5, NO_CHOICE, ha="center", va="center", transform=ax.transAxes, fontsize=9, wrap=True)
     ax.set_xlabel("query position (global token id)")
     ax.set_ylabel("Jaccard overlap of Top-K pool sets")
     ax.set_ylim(min([*y, 0.9]) - 0.02, 1.01)

@@ -20,7 +20,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["run_ranks", "RanksFailed", "RanksTimedOut"]
+from .._device import device_flag  # the examples' --device flag
+
+__all__ = ["run_ranks", "RanksFailed", "RanksTimedOut", "device_flag"]
 
 
 class RanksFailed(RuntimeError):
@@ -89,6 +91,9 @@ def run_ranks(
     :class:`RanksTimedOut` (a ``TimeoutError``) when ranks still run after ``timeout``
     seconds (they are killed). No rank process outlives this call.
     """
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend: 'nccl' needs CUDA GPUs, and CUDA is not available on this host "
+                         "(torch.cuda.is_available() is False): use 'gloo'")  # fmt: skip
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="sp_kpool_ranks_") as tmp:
         store_path = os.path.join(tmp, "store")

@@ -118,7 +118,11 @@ AGREED_FAULTS: dict[str, tuple[Callable, str]] = {
     "seq prompt_lens": (_seq(lambda c: ShardedSequence.split(c["cu"], world_size=c["ws"], rank=c["rank"],
                                                              prompt_lens=[8, 0])), "prompt_lens (crc32): per rank"),
     # tensors: dtype, device type, shape, type
-    **{f"{n} bfloat16": (_bf16(n), f"{n}.dtype: per rank") for n in ("q", "k", "gates", "head_weights", "ape")},
+    **{f"{n} bfloat16": (_bf16(n), f"{n}.dtype: per rank") for n in ("gates", "head_weights", "ape")},
+    # q and k share a dtype on each rank (a local check); both changed: the ranks disagree
+    "q bfloat16": (_bf16("q"), "k: expected dtype torch.bfloat16 (the dtype of q"),
+    "k bfloat16": (_bf16("k"), "k: expected dtype torch.float32 (the dtype of q"),
+    "q and k bfloat16": (lambda c: (_bf16("q")(c), _bf16("k")(c)), "q.dtype: per rank"),
     "all tensors on meta": (lambda c: c["args"].update({k: v.to("meta") for k, v in c["args"].items()}),
                             "q.device type: per rank"),
     "k on meta": (_with("k", lambda t: t.to("meta")), "k: expected device cpu (the device of q), got meta"),

@@ -61,13 +61,9 @@ def make_inputs(
 def shard_inputs(x: GlobalInputs, seq: ShardedSequence, device="cpu") -> dict[str, torch.Tensor]:
     """This rank's rows, at ``seq.positions`` of the stream (zero rows for padding), as
     ``kpool_topk`` keyword arguments."""
-    real = seq.real_of_stream[seq.positions]
-    keep = real >= 0
 
     def rows(t):
-        out = t.new_zeros((seq.shard_size, *t.shape[1:]))
-        out[keep] = t[real[keep]]
-        return out.to(device)
+        return seq.local_rows(t).to(device)
 
     return {
         "q": rows(x.q),

@@ -23,11 +23,18 @@ def _bad(fn):
 CASES = [
     (lambda a, k: a.update(q=a["q"][0]), ValueError, "q: expected shape [*, *, *], got [8, 16]"),
     (lambda a, k: a.update(q=a["q"][:-1]), ValueError, "q: expected 23 local rows"),
-    (lambda a, k: a.update(k=a["k"][:, :8]), ValueError, "k: expected shape [23, 16], got [23, 8]"),
-    (lambda a, k: a.update(gates=a["gates"][:5]), ValueError, "gates: expected shape [23, 16], got [5, 16]"),
-    (lambda a, k: a.update(head_weights=a["head_weights"][:, :4]), ValueError, "head_weights: expected shape [23, 8], got [23, 4]"),
-    (lambda a, k: a.update(ape=a["ape"][:3]), ValueError, "ape: expected shape [4, 16], got [3, 16]"),
+    (lambda a, k: a.update(k=a["k"][:, :8]), ValueError, "k: expected shape [23, 16] (rows: seq.shard_size; D: q.shape[2], gates.shape[1], ape.shape[1]), got [23, 8]"),
+    (lambda a, k: a.update(gates=a["gates"][:5]), ValueError, "gates: expected shape [23, 16] (rows: seq.shard_size; D: q.shape[2], k.shape[1], ape.shape[1]), got [5, 16]"),
+    (lambda a, k: a.update(head_weights=a["head_weights"][:, :4]), ValueError, "head_weights: expected shape [23, 8] (rows: seq.shard_size; H: q.shape[1]), got [23, 4]"),
+    (lambda a, k: a.update(ape=a["ape"][:3]), ValueError, "ape: expected shape [4, 16] (rows: kpool; D: q.shape[2], k.shape[1], gates.shape[1]), got [3, 16]"),
     (lambda a, k: a.update(k=a["k"].to(torch.int64)), TypeError, "k: expected a floating-point dtype, got torch.int64"),
+    # q of another head dim than k, gates and ape is a q error (the majority sets D)
+    (lambda a, k: a.update(q=torch.cat([a["q"], a["q"]], 2)), ValueError,
+     "q: expected shape [23, 8, 16] (D: k.shape[1], gates.shape[1], ape.shape[1]), got [23, 8, 32]"),
+    (lambda a, k: a.update(ape=a["ape"][:, :8]), ValueError, "ape: expected shape [4, 16] (rows: kpool; D: q.shape[2], k.shape[1], gates.shape[1]), got [4, 8]"),
+    # mixed dtypes (docs/contract.md section 11): q and k share one; gates, ape, head_weights any float
+    (lambda a, k: a.update(q=a["q"].bfloat16()), TypeError,
+     "k: expected dtype torch.bfloat16 (the dtype of q; q and k meet in the scores: cast one of them), got torch.float32"),
     (lambda a, k: a.update(q=a["q"].numpy()), TypeError, "q: expected a torch.Tensor, got ndarray"),
     (lambda a, k: a.update(k=a["k"].to("meta")), ValueError, "k: expected device cpu (the device of q), got meta"),
     (lambda a, k: k.update(topk=10), ValueError, "topk: expected a multiple of kpool = 4, got 10"),
@@ -238,3 +245,65 @@ def test_cli_flags_are_validated(argv, flag, capsys):
         main(argv)
     assert info.value.code == 2
     assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_mixed_dtypes_gates_ape_and_head_weights_are_taken_in_fp32():
+    """The rule of docs/contract.md section 11: q and k share a dtype (else TypeError, above);
+    gates, ape and head_weights may have any float dtype and are taken in FP32, so FP32
+    copies of BF16 values give the same ids as the BF16 tensors themselves."""
+    args, seq = _args()
+    bf = {name: t.bfloat16() for name, t in args.items()}
+    mixed = {**bf, **{name: bf[name].float() for name in ("gates", "ape", "head_weights")}}
+    assert torch.equal(kpool_topk(**mixed, seq=seq, topk=8, kpool=4), kpool_topk(**bf, seq=seq, topk=8, kpool=4))
+
+
+def test_indexer_bf16_under_autocast_scores_q_and_k_in_one_dtype():
+    m = KPoolIndexer(hidden_size=8, q_lora_rank=4, index_n_heads=2, index_head_dim=4, index_topk=8, precision="bf16")
+    seq = ShardedSequence.split([0, 9], world_size=1, rank=0)
+    hidden, q_resid = torch.randn(9, 8), torch.randn(9, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        prepared = m.prepare(hidden, q_resid)
+        assert prepared["q"].dtype == prepared["k"].dtype == torch.bfloat16
+        assert m(hidden, q_resid, seq).shape == (9, 8 + 4 - 1)
+
+
+@pytest.mark.parametrize("script", ["examples/xtuner_sp.py", "examples/megatron_cp.py", "examples/transformers_glm5.py",
+                                    "parity"])  # fmt: skip
+def test_device_cuda_without_cuda_is_an_error_of_the_flag(script, monkeypatch, capsys):
+    """``--device cuda`` on a host without CUDA: an argparse error of ``--device`` (exit 2)
+    in every command and example, before any rank starts (not a ZeroDivisionError in a
+    rank, not a torch traceback)."""
+    import importlib.util
+    import os
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if script == "parity":
+        from sp_kpool.cli import main
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        spec = importlib.util.spec_from_file_location("example_under_test", os.path.join(root, script))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        main = module.main
+    for value in ("cuda", "cuda:1"):
+        with pytest.raises(SystemExit) as info:
+            main((["parity", "--synthetic"] if script == "parity" else []) + ["--device", value])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --device: expected a device this host has, got '{value}': CUDA is not available here" in err
+
+
+def test_run_ranks_on_nccl_without_cuda_names_the_backend(monkeypatch):
+    from sp_kpool.testing.dist import run_ranks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="backend: 'nccl' needs CUDA GPUs, and CUDA is not available"):
+        run_ranks(print, 2, backend="nccl")
+
+
+def test_device_flag_names_a_bad_device():
+    from sp_kpool._device import check_device
+
+    with pytest.raises(ValueError, match=r"--device: expected one of \['cpu', 'cuda', 'cuda:N'\], got 'gpu'"):
+        check_device("--device", "gpu")
+    assert check_device("--device", "cpu") == "cpu" and check_device("--device", "auto", auto=True) == "auto"

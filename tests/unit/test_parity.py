@@ -497,3 +497,28 @@ def test_a_capture_without_head_gate_metadata_is_reported_as_rounded(captured, t
     assert rep["capture"]["head_gate"] == "rounded to the parameter dtype"
     assert "its serving-arm ids need not reproduce" in format_table(rep)
     assert "need not reproduce" not in format_table(replay(path, "fp8:torch", "fp8:torch", repeat=False))
+
+
+def test_cli_default_folder_and_a_capture_without_choice(tmp_path, monkeypatch, capsys):
+    """Without --out the files go to a new folder of the current directory, named; a
+    capture where no row has a Top-K choice (tokens <= topk) says so in the table (and on
+    the overlap plot) instead of showing an empty axis."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["parity", "--synthetic", "--quiet", "--device", "cpu", "--tokens", str(T), "--hidden-size", str(HIDDEN),
+            "--q-lora-rank", str(Q_LORA), "--heads", str(H), "--head-dim", str(D), "--topk", str(T), "--a", "bf16",
+            "--b", "bf16"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no row of this capture has a Top-K choice" in out
+    folders = list(tmp_path.glob("sp_kpool-parity-*"))
+    assert len(folders) == 1 and (folders[0] / "parity.json").is_file() and (folders[0] / "overlap_vs_position.png").is_file()
+    assert f"the files are in {folders[0].name}/" in out
+
+
+def test_cli_help_shows_defaults(capsys):
+    for cmd in ("demo", "parity"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: 0)" in text  # --seed
+        assert ("(default: fp8)" in text) if cmd == "parity" else ("(default: 4099)" in text)
