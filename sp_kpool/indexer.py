@@ -200,7 +200,8 @@ class KPoolIndexer(nn.Module):
             kx = self.wk(hidden)
             dt = self.wk.weight.dtype
             k = F.layer_norm(kx, n.normalized_shape, n.weight.to(dt), n.bias.to(dt), n.eps)
-            k = k.to(q.dtype)  # autocast runs the norm in FP32; q and k must share a dtype (autocast's score matmul)
+            if k.dtype != q.dtype:  # under autocast the norm runs in FP32: score in FP32, as before the
+                q = q.to(k.dtype)  # rule that q and k share a dtype (BF16 queries upcast exactly)
             w = F.linear(hidden.to(dt), self.weights_proj.weight.to(dt))
         return {"q": q, "k": k, "gates": gates, "head_weights": w, "ape": self.index_kpool_compress_ape}
 
