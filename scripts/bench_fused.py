@@ -98,15 +98,105 @@ def one(case: str, H: int, topk: int) -> dict:
     return res
 
 
+def w_inputs(H: int, topk: int = 2048):
+    """W's prepared FP8 inputs for the kernels alone: every row of the slice in one call."""
+    from sp_kpool.backends.base import QueryInputs
+    from sp_kpool.plan import plan_chunks
+    from sp_kpool.pooling import pool_table
+
+    p = rank_slice_problem(131072, 4, 3, heads=H, head_dim=128, topk=topk, precision="fp8", device="cuda",
+                           max_logits_bytes=2 * 2**30)  # fmt: skip
+    be, seq = BACKENDS["deepgemm"], p.seq
+    lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
+    pts = pool_table(seq.real_cu_seq_lens, p.kpool)[0].to("cuda")
+    plan = plan_chunks(seq, p.kpool, hi_row - lo_row, lo_row, hi_row, p.device, cache=False)
+    pools = be.pools(p, pts, None)
+    _, queries = be.prepare(p, None, QueryInputs(p.q, p.head_weights, lo_row))
+    lo = plan.chunks[0].pool_lo
+    n = hi_row - lo_row
+    return queries.q, queries.w, pools.keys[lo:], pools.scales[lo:], plan.ranges[0, :n], plan.ranges[1, :n]
+
+
+def sweep(H: int, configs: list[dict], caps: list[int], k: int = 512) -> list[dict]:
+    """The kernel alone on W's inputs for each launch ``config``: dense-mode time, whether every
+    in-range logit equals DeepGEMM's bit for bit, registers and spills; then the fused mode of
+    the fastest exact config with each candidate capacity in ``caps``."""
+    import deep_gemm
+
+    from sp_kpool.kernels import triton_fp8_fused as ff
+
+    q8, wq, k8, ks, starts, ends = w_inputs(H)
+    ref = deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends, clean_logits=False)[:, : k8.shape[0]]
+    cols = torch.arange(k8.shape[0], device="cuda")
+    vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
+    ref_bits = ref[vis].view(torch.int32)
+    del ref
+    out = [{"H": H, "deepgemm_alone_ms": do_bench_ms(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends,
+                                                                                        clean_logits=False))}]  # fmt: skip
+    best = None
+    for cfg in configs:
+        cfg = dict(cfg, block_q=cfg["block_q"] if cfg["block_q"] else 128 // H)
+        r = {"H": H, **cfg}
+        try:
+            got = ff.score_select(q8, wq, k8, ks, starts, ends, k, dense=True, **cfg)
+            r["bitwise_deepgemm"] = bool(torch.equal(got[vis].view(torch.int32), ref_bits))
+            del got
+            kern = ff.compiled[(H, cfg["block_q"], cfg["block_p"], True, cfg["one_dot"])]
+            r["regs"], r["spills"] = kern.n_regs, kern.n_spills
+            ptx = kern.asm["ptx"]
+            r["wgmma"] = "wgmma.mma_async" in ptx and "mma.sync" not in ptx.replace("wgmma.mma_async.sync", "")
+            r["dense_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k, dense=True, **cfg))
+            r["dense_over_deepgemm"] = r["dense_ms"] / out[0]["deepgemm_alone_ms"]
+            if r["bitwise_deepgemm"] and (best is None or r["dense_ms"] < best[1]):
+                best = (cfg, r["dense_ms"])
+        except Exception as exc:
+            r["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        log(r)
+        out.append(r)
+        torch.cuda.empty_cache()
+    if best is not None:
+        for cap in caps:
+            cfg = dict(best[0], cap=cap)
+            r = {"H": H, "fused": True, **cfg}
+            try:
+                r["fused_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k, **cfg))
+                _, em = ff.score_select(q8, wq, k8, ks, starts, ends, k, **cfg)
+                r["candidates_mean"], r["candidates_max"] = float(em.float().mean()), int(em.max())
+                r["fused_over_deepgemm"] = r["fused_ms"] / out[0]["deepgemm_alone_ms"]
+            except Exception as exc:
+                r["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            log(r)
+            out.append(r)
+    return out
+
+
+SWEEP = [dict(one_dot=True, block_q=0, block_p=64, num_warps=4, num_stages=2),
+         dict(one_dot=True, block_q=0, block_p=64, num_warps=4, num_stages=3),
+         dict(one_dot=True, block_q=0, block_p=128, num_warps=8, num_stages=2),
+         dict(one_dot=True, block_q=0, block_p=128, num_warps=4, num_stages=2),
+         dict(one_dot=True, block_q=0, block_p=128, num_warps=8, num_stages=3),
+         dict(one_dot=False, block_q=4, block_p=64, num_warps=4, num_stages=2),
+         dict(one_dot=False, block_q=8, block_p=64, num_warps=4, num_stages=2),
+         dict(one_dot=False, block_q=16, block_p=64, num_warps=4, num_stages=2),
+         dict(one_dot=False, block_q=16, block_p=128, num_warps=8, num_stages=2)]  # fmt: skip
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", default="32,64,128")
     ap.add_argument("--cases", default="W,packed64,W262k")
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes on W instead (bench_fused_sweep.json)")
+    ap.add_argument("--caps", default="1024,2048,4096", help="candidate capacities timed with --sweep")
     args = ap.parse_args()
     doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
+    if args.sweep:
+        for H in map(int, args.heads.split(",")):
+            doc["results"] += sweep(H, SWEEP, [int(c) for c in args.caps.split(",")])
+            save(doc, args.out, "bench_fused_sweep.json")
+        return
     for case in args.cases.split(","):
         for H in map(int, args.heads.split(",")):
             try:

@@ -86,7 +86,7 @@ class DeepGemmBackend(Backend):
     max_chunk_rows = 1 << 16
     #: Per-row constant of the balance work model (see TileLangBackend): b / a ~ 11500.
     balance_row_cost = 11500
-    heads_supported = (32, 64, 128)
+    heads_supported = (32, 64)  # DeepGEMM 2.5: num_heads in 16, 32, 64 (H 128 refused, measured)
     dims_supported = (128,)
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:

@@ -54,7 +54,7 @@ __all__ = ["score_select", "supports", "capacity"]
 #: Pools per block (the ``M`` of each dot; a multiple of 64 for wgmma).
 BLOCK_P = 64
 
-#: The last compiled kernel of each ``(H, block_q, block_p, dense)`` launched (its ``asm``
+#: The last compiled kernel of each ``(H, block_q, block_p, dense, one_dot)`` launched (its ``asm``
 #: holds the PTX the tests check for ``wgmma`` and no ``mma.sync``).
 compiled: dict = {}
 
@@ -74,6 +74,53 @@ def supports(heads: int, dim: int, k: int) -> list[str]:
     if not 1 <= k <= 2048:
         why.append(f"k = {k} pools outside [1, 2048]")
     return why
+
+
+@triton.jit
+def _halves(x, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
+    """``x [A, B, C, D, M]`` -> the even and odd ``m`` halves, each ``[A, B, C, D, M / 2]``."""
+    return tl.split(tl.reshape(x, [A, B, C, D, M // 2, 2]))
+
+
+@triton.jit
+def _chain(x, w, BP: tl.constexpr, BQ: tl.constexpr, NM: tl.constexpr):
+    """The eight head chains of :data:`DAG` from ``x [BP, BQ, 4, 2, NM]`` (accumulators of
+    heads ``8 m + 2 q + b`` at ``[:, :, q, b, m]``) and ``w [1, BQ, 4, 2, NM]``: ``c[:, :, q, b]``
+    = ``fma(r_{m=0} w_0, RN(r_1 w_1))``, then ``fma(r_m, w_m, c)`` for ``m = 2 .. NM - 1``."""
+    r = tl.where(x > 0, x, 0.0)
+    if NM == 4:  # m = 2 a + b': the first split takes b'
+        e, o = _halves(r, BP, BQ, 4, 2, 4)
+        we, wo = _halves(w, 1, BQ, 4, 2, 4)
+        r0, r2 = tl.split(e)
+        r1, r3 = tl.split(o)
+        w0, w2 = tl.split(we)
+        w1, w3 = tl.split(wo)
+        c = tl.fma(r0, w0, r1 * w1)
+        c = tl.fma(r2, w2, c)
+        c = tl.fma(r3, w3, c)
+    else:  # NM == 8: m = 4 a + 2 b' + c'
+        e, o = _halves(r, BP, BQ, 4, 2, 8)
+        we, wo = _halves(w, 1, BQ, 4, 2, 8)
+        e0, e1 = _halves(e, BP, BQ, 4, 2, 4)  # m in {0, 4}, {2, 6}
+        o0, o1 = _halves(o, BP, BQ, 4, 2, 4)  # m in {1, 5}, {3, 7}
+        we0, we1 = _halves(we, 1, BQ, 4, 2, 4)
+        wo0, wo1 = _halves(wo, 1, BQ, 4, 2, 4)
+        r0, r4 = tl.split(e0)
+        r2, r6 = tl.split(e1)
+        r1, r5 = tl.split(o0)
+        r3, r7 = tl.split(o1)
+        w0, w4 = tl.split(we0)
+        w2, w6 = tl.split(we1)
+        w1, w5 = tl.split(wo0)
+        w3, w7 = tl.split(wo1)
+        c = tl.fma(r0, w0, r1 * w1)
+        c = tl.fma(r2, w2, c)
+        c = tl.fma(r3, w3, c)
+        c = tl.fma(r4, w4, c)
+        c = tl.fma(r5, w5, c)
+        c = tl.fma(r6, w6, c)
+        c = tl.fma(r7, w7, c)
+    return c  # [BP, BQ, 4, 2]
 
 
 @triton.jit
@@ -114,7 +161,7 @@ def _compact(bk, bi, n, k, CAP: tl.constexpr):
 @triton.jit
 def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Logits, sl_r, Out, so_r, BufK, BufI,
                   Emitted, k, pool_base, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
-                  CAP: tl.constexpr, KP: tl.constexpr, DENSE: tl.constexpr):  # fmt: skip
+                  CAP: tl.constexpr, KP: tl.constexpr, DENSE: tl.constexpr, ONE_DOT: tl.constexpr):  # fmt: skip
     MINK: tl.constexpr = -2147483648
     N: tl.constexpr = BQ * 8
     pid = tl.program_id(0)
@@ -125,14 +172,22 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
     ke = tl.load(Ends + rows, mask=rok, other=0)
     lo = tl.min(ks)  # masked rows: [INT32_MAX, 0), empty
     hi = tl.max(ke)
-    # dot column n = 8 i + j: head 8 m + j of row i (chain j of row i)
-    n = tl.arange(0, N)
-    nrow = row0 + pid * BQ + n // 8
-    nok = nrow < row0 + nrows
-    nj = n % 8
     d = tl.arange(0, D)
-    qcol = Q + nrow.to(tl.int64) * sq_r + nj * sq_h  # [N] pointers to channel 0 of head j (m = 0)
-    wcol = W + nrow.to(tl.int64) * sw_r + nj
+    if ONE_DOT:  # one [BP, 128] x [128, BQ H] dot per block, column n = H i + h (DeepGEMM's order)
+        n = tl.arange(0, BQ * H)
+        nrow = row0 + pid * BQ + n // H
+        nok = nrow < row0 + nrows
+        qt = tl.load(Q + nrow.to(tl.int64)[None, :] * sq_r + (n % H)[None, :] * sq_h + d[:, None], mask=nok[None, :],
+                     other=0.0)  # fmt: skip
+        wt = tl.load(W + nrow.to(tl.int64) * sw_r + n % H, mask=nok, other=0.0)
+        wt = tl.permute(tl.reshape(wt, [1, BQ, H // 8, 4, 2]), [0, 1, 3, 4, 2])  # [1, BQ, 4, 2, NM]
+    else:  # one dot per chain step m, column n = 8 i + j: head 8 m + j of row i
+        n = tl.arange(0, N)
+        nrow = row0 + pid * BQ + n // 8
+        nok = nrow < row0 + nrows
+        nj = n % 8
+        qcol = Q + nrow.to(tl.int64) * sq_r + nj * sq_h  # [N] pointers to channel 0 of head j (m = 0)
+        wcol = W + nrow.to(tl.int64) * sw_r + nj
     slot = (pid * BQ + iq).to(tl.int64) * CAP  # each row's candidate buffer
     tau = tl.full((BQ,), MINK, tl.int32)
     cnt = tl.zeros((BQ,), tl.int32)
@@ -146,20 +201,25 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
         pm = (p >= lo) & (p < hi)
         kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
         scale = tl.load(KS + p, mask=pm, other=0.0)
-        q0 = tl.load(qcol[None, :] + d[:, None], mask=nok[None, :], other=0.0)
-        q1 = tl.load(qcol[None, :] + 8 * sq_h + d[:, None], mask=nok[None, :], other=0.0)
-        a0 = tl.dot(kv, q0)
-        a1 = tl.dot(kv, q1)
-        w0 = tl.load(wcol, mask=nok, other=0.0)
-        w1 = tl.load(wcol + 8, mask=nok, other=0.0)
-        r0 = tl.where(a0 > 0, a0, 0.0)
-        r1 = tl.where(a1 > 0, a1, 0.0)
-        c = tl.fma(r0, w0[None, :], r1 * w1[None, :])
-        for m in tl.static_range(2, H // 8):
-            qm = tl.load(qcol[None, :] + (8 * m) * sq_h + d[:, None], mask=nok[None, :], other=0.0)
-            am = tl.dot(kv, qm)
-            wm = tl.load(wcol + 8 * m, mask=nok, other=0.0)
-            c = tl.fma(tl.where(am > 0, am, 0.0), wm[None, :], c)
+        if ONE_DOT:
+            acc = tl.dot(kv, qt)  # [BP, BQ H]
+            acc = tl.permute(tl.reshape(acc, [BP, BQ, H // 8, 4, 2]), [0, 1, 3, 4, 2])  # [BP, BQ, 4, 2, NM]
+            c = tl.reshape(_chain(acc, wt, BP, BQ, H // 8), [BP, BQ * 8])
+        else:
+            q0 = tl.load(qcol[None, :] + d[:, None], mask=nok[None, :], other=0.0)
+            q1 = tl.load(qcol[None, :] + 8 * sq_h + d[:, None], mask=nok[None, :], other=0.0)
+            a0 = tl.dot(kv, q0)
+            a1 = tl.dot(kv, q1)
+            w0 = tl.load(wcol, mask=nok, other=0.0)
+            w1 = tl.load(wcol + 8, mask=nok, other=0.0)
+            r0 = tl.where(a0 > 0, a0, 0.0)
+            r1 = tl.where(a1 > 0, a1, 0.0)
+            c = tl.fma(r0, w0[None, :], r1 * w1[None, :])
+            for m in tl.static_range(2, H // 8):
+                qm = tl.load(qcol[None, :] + (8 * m) * sq_h + d[:, None], mask=nok[None, :], other=0.0)
+                am = tl.dot(kv, qm)
+                wm = tl.load(wcol + 8 * m, mask=nok, other=0.0)
+                c = tl.fma(tl.where(am > 0, am, 0.0), wm[None, :], c)
         # j = 2 q + b: the pairs of chains, the scale, the butterfly (P0 + P1) + (P2 + P3)
         c0, c1 = tl.split(tl.reshape(c, [BP, BQ, 4, 2]))
         part = (c0 + c1) * scale[:, None, None]
@@ -205,8 +265,9 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
 
 def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, starts: torch.Tensor,
                  ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None, pool_base: int = 0,
-                 dense: bool = False, out: torch.Tensor | None = None, block_q: int = 4, block_p: int = BLOCK_P,
-                 num_warps: int = 4, num_stages: int = 2):  # fmt: skip
+                 dense: bool = False, out: torch.Tensor | None = None, block_q: int | None = None,
+                 block_p: int = BLOCK_P, num_warps: int = 4, num_stages: int = 2, one_dot: bool | None = None,
+                 cap: int | None = None):  # fmt: skip
     """Scores (``dense``) or selected pools of query rows against pools, DeepGEMM's arithmetic.
 
     Args:
@@ -219,8 +280,11 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
         dense: return the ``[b - a, P]`` float32 logits instead (cells outside each row's
             range are NaN: never written).
         out: optional ``[b - a, k]`` int32 destination of the selection (written whole).
-        block_q, block_p, num_warps, num_stages: launch shape (``8 block_q`` dot columns;
-            ``block_p`` pools per block, a multiple of 64).
+        block_q, block_p, num_warps, num_stages: launch shape (``block_q`` rows per program,
+            default ``128 / H``; ``block_p`` pools per block, a multiple of 64).
+        one_dot: one ``[block_p, 128] x [128, block_q H]`` dot per block (H 32 and 64, the
+            default there) or one ``[block_p, 128] x [128, 8 block_q]`` dot per chain step.
+        cap: candidate entries per row (default :func:`capacity`; at least ``k + block_p``).
 
     Returns:
         ``dense``: logits ``[b - a, P]`` float32. Otherwise ``(pools, emitted)``: ``[b - a,
@@ -231,17 +295,21 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
     why = supports(H, D, k)
     if why:
         raise ValueError(f"score_select: {'; '.join(why)}")
+    block_q = block_q or max(1, 128 // H)
+    one_dot = H in (32, 64) if one_dot is None else one_dot
+    if one_dot and H not in (32, 64):
+        raise ValueError(f"one_dot: needs H in (32, 64), got H = {H}")
     a, b = rows if rows is not None else (0, C)
     nr = b - a
     dev = q8.device
     P = k8.shape[0]
-    cap = capacity(k, block_p)
+    cap = cap or capacity(k, block_p)
     grid = (max(1, triton.cdiv(nr, block_q)),)
     if dense:
         logits = torch.full((C, max(P, 1)), float("nan"), dtype=torch.float32, device=dev)
         dummy = torch.empty(1, dtype=torch.int32, device=dev)
         _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, dummy, dummy, dummy, dummy, k, pool_base, H, D,
-                block_q, block_p, cap, 1, True, num_warps, num_stages)  # fmt: skip
+                block_q, block_p, cap, 1, True, num_warps, num_stages, one_dot)  # fmt: skip
         return logits[a:b]
     if out is None:
         out = torch.empty((nr, k), dtype=torch.int32, device=dev)
@@ -254,18 +322,18 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
     emitted = torch.empty(nr, dtype=torch.int32, device=dev)
     kp = 1 << max(0, k - 1).bit_length()
     _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, out, out, buf_k, buf_i, emitted, k, pool_base, H, D,
-            block_q, block_p, cap, kp, False, num_warps, num_stages)  # fmt: skip
+            block_q, block_p, cap, kp, False, num_warps, num_stages, one_dot)  # fmt: skip
     return out, emitted
 
 
 def _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, out, buf_k, buf_i, emitted, k, pool_base, H, D,
-            block_q, block_p, cap, kp, dense, num_warps, num_stages):  # fmt: skip
+            block_q, block_p, cap, kp, dense, num_warps, num_stages, one_dot):  # fmt: skip
     if cap < k + block_p:
         raise AssertionError(f"candidate capacity {cap} < k + block_p = {k + block_p}")
     kernel = _fused_kernel[grid](
         q8, q8.stride(0), q8.stride(1), w, w.stride(0), k8, k_scale, starts, ends, a, nr,
         logits, logits.stride(0), out, out.stride(0), buf_k, buf_i, emitted, k, pool_base,
-        H=H, D=D, BQ=block_q, BP=block_p, CAP=cap, KP=kp, DENSE=dense, num_warps=num_warps, num_stages=num_stages,
+        H=H, D=D, BQ=block_q, BP=block_p, CAP=cap, KP=kp, DENSE=dense, ONE_DOT=one_dot, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False,
     )  # fmt: skip
-    compiled[(H, block_q, block_p, dense)] = kernel
+    compiled[(H, block_q, block_p, dense, one_dot)] = kernel

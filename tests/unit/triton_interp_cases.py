@@ -499,13 +499,17 @@ def check_fused(q8, w, k8, scale, starts, ends, k, **kw):
     return dense, emitted
 
 
-@pytest.mark.parametrize("H,bq", [(32, 4), (64, 2), (128, 1), (64, 4)])
-def test_fused_fp8_selection_equals_dense_logits_plus_exact_topk(H, bq):
+@pytest.mark.parametrize("H,bq,one_dot", [(32, 4, True), (32, 4, False), (64, 2, True), (64, 4, False), (128, 1, False),
+                                          (64, 1, True)])  # fmt: skip
+def test_fused_fp8_selection_equals_dense_logits_plus_exact_topk(H, bq, one_dot):
     C, P, k = 7, 700, 16
     q8, w, k8, scale = fp8_case(C, H, P, seed=H + bq)
     starts = torch.tensor([0, 3, 100, 650, 0, 5, 699], dtype=torch.int32)
     ends = torch.tensor([700, 690, 100, 700, 10, 17, 700], dtype=torch.int32)  # empty, short, k+1 rows
-    dense, emitted = check_fused(q8, w, k8, scale, starts, ends, k, block_q=bq)
+    dense, emitted = check_fused(q8, w, k8, scale, starts, ends, k, block_q=bq, one_dot=one_dot)
+    other = ff.score_select(q8, w, k8, scale, starts, ends, k, dense=True, block_q=bq, one_dot=not one_dot) if H < 128 \
+        else dense  # fmt: skip
+    assert torch.equal(dense.view(torch.int32), other.view(torch.int32))  # the two dot shapes: the same DAG
     # the dense logits are the serving arithmetic (tolerance: the interpreter's dot is not
     # the GPU's FP8 tensor-core sum, and the head order differs)
     from sp_kpool.serving_scores import mqa_logits_fp8_reference
