@@ -92,6 +92,20 @@ def one(case: str, H: int, topk: int) -> dict:
         _, em = ff.score_select(q8, wq, k8, rising, starts, ends, k)
         res["recency_candidates_mean"] = float(em.float().mean())
         res["recency_candidates_max"] = int(em.max())
+    # the Triton selector alone on DeepGEMM's logits of these rows: step 0 (rows that see at
+    # most k pools select them all without ranking) on and off, the same ids
+    from sp_kpool.kernels.triton_topk import topk_ascending
+
+    logits = deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends, clean_logits=False)[:, : k8.shape[0]]
+    base = torch.full((logits.shape[0],), lo, dtype=torch.int64, device="cuda")
+    a = topk_ascending(logits, starts, ends, base, k)
+    b = topk_ascending(logits, starts, ends, base, k, short_rows=False)
+    res["select_short_rows_equal"] = bool(torch.equal(a, b))
+    res["select_alone_ms"] = do_bench_ms(lambda: topk_ascending(logits, starts, ends, base, k))
+    res["select_alone_no_short_rows_ms"] = do_bench_ms(lambda: topk_ascending(logits, starts, ends, base, k,
+                                                                              short_rows=False))  # fmt: skip
+    res["rows_short"] = int(((ends - starts) <= k).sum())
+    del logits, a, b
     for key in ("whole_dense_ms", "whole_fused_ms", "triton_dense_alone_ms", "triton_fused_alone_ms"):
         res[key.replace("_ms", "_over_deepgemm")] = res[key] / res["deepgemm_alone_ms"]
     res["wall_s"] = time.perf_counter() - t0
@@ -117,7 +131,7 @@ def w_inputs(H: int, topk: int = 2048):
     return queries.q, queries.w, pools.keys[lo:], pools.scales[lo:], plan.ranges[0, :n], plan.ranges[1, :n]
 
 
-def sweep(H: int, configs: list[dict], caps: list[int], k: int = 512) -> list[dict]:
+def sweep(H: int, configs: list[dict], caps: list[tuple[int, int]], k: int = 512) -> list[dict]:
     """The kernel alone on W's inputs for each launch ``config``: dense-mode time, whether every
     in-range logit equals DeepGEMM's bit for bit, registers and spills; then the fused mode of
     the fastest exact config with each candidate capacity in ``caps``."""
@@ -155,8 +169,8 @@ def sweep(H: int, configs: list[dict], caps: list[int], k: int = 512) -> list[di
         out.append(r)
         torch.cuda.empty_cache()
     if best is not None:
-        for cap in caps:
-            cfg = dict(best[0], cap=cap)
+        for cap, check in caps:
+            cfg = dict(best[0], cap=cap or None, check=check)
             r = {"H": H, "fused": True, **cfg}
             try:
                 r["fused_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k, **cfg))
@@ -170,15 +184,13 @@ def sweep(H: int, configs: list[dict], caps: list[int], k: int = 512) -> list[di
     return out
 
 
-SWEEP = [dict(one_dot=True, block_q=0, block_p=64, num_warps=4, num_stages=2),
-         dict(one_dot=True, block_q=0, block_p=64, num_warps=4, num_stages=3),
-         dict(one_dot=True, block_q=0, block_p=128, num_warps=8, num_stages=2),
-         dict(one_dot=True, block_q=0, block_p=128, num_warps=4, num_stages=2),
+#: Launch shapes timed by ``--sweep`` (on 2026-12-04 the first was the fastest exact one at
+#: H 32 and 64: ``benchmarks/results/h200-cu130-torch2.11/README.md``).
+SWEEP = [dict(one_dot=True, block_q=0, block_p=64, num_warps=4, num_stages=3),
+         dict(one_dot=True, block_q=0, block_p=64, num_warps=4, num_stages=4),
+         dict(one_dot=True, block_q=0, block_p=64, num_warps=4, num_stages=2),
          dict(one_dot=True, block_q=0, block_p=128, num_warps=8, num_stages=3),
-         dict(one_dot=False, block_q=4, block_p=64, num_warps=4, num_stages=2),
-         dict(one_dot=False, block_q=8, block_p=64, num_warps=4, num_stages=2),
-         dict(one_dot=False, block_q=16, block_p=64, num_warps=4, num_stages=2),
-         dict(one_dot=False, block_q=16, block_p=128, num_warps=8, num_stages=2)]  # fmt: skip
+         dict(one_dot=False, block_q=4, block_p=64, num_warps=4, num_stages=3)]  # fmt: skip
 
 
 def main():
@@ -188,13 +200,15 @@ def main():
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes on W instead (bench_fused_sweep.json)")
-    ap.add_argument("--caps", default="1024,2048,4096", help="candidate capacities timed with --sweep")
+    ap.add_argument("--caps", default="0:8,0:4,0:16,4096:8",
+                    help="candidate capacity:check pairs timed with --sweep (capacity 0: the default)")
     args = ap.parse_args()
     doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
     if args.sweep:
         for H in map(int, args.heads.split(",")):
-            doc["results"] += sweep(H, SWEEP, [int(c) for c in args.caps.split(",")])
+            caps = [tuple(int(v) for v in c.split(":")) for c in args.caps.split(",")]
+            doc["results"] += sweep(H, SWEEP, caps)
             save(doc, args.out, "bench_fused_sweep.json")
         return
     for case in args.cases.split(","):

@@ -28,15 +28,17 @@ same code checks the selection logic.
 **Selection without stored logits.** One program owns ``BQ`` rows and streams their pools in
 ascending id, in blocks of ``BP``. Per row it keeps a threshold key ``tau`` (the monotone
 int32 key of :func:`sp_kpool.kernels.triton_topk_search.row_keys`) and appends every visible
-cell whose key is ``> tau`` to a candidate buffer of ``CAP`` entries (key and pool id, in
-pool order). When the next block could overflow the buffer, the row is compacted: ``T`` =
-its ``k``-th largest buffered key; kept are the keys ``> T`` and the first keys ``== T`` in
-buffer order, ``k`` in all, exactly the row's Top-K of the pools seen so far; ``tau = T``.
-Exact because pools come in ascending id: a later cell with key ``<= T`` ranks below ``k``
-kept cells (equal keys lose to lower ids), and a dropped cell ranks below ``k`` kept ones.
-``tau`` only rises. After compaction ``k`` entries remain and ``CAP >= k + BP``, so the
-buffer never overflows (no fallback is needed; the launcher checks the bound). The last
-compaction leaves the answer in the buffer, in pool order: it is copied out.
+cell whose key is ``> tau`` to a candidate buffer of ``cap`` entries (key and pool id; a slot
+from one relaxed atomic per passing cell, so the buffer is in no particular order). Every
+``CHECK`` blocks (one barrier) a row holding more than ``cap - CHECK BP`` entries is
+compacted: ``T`` = its ``k``-th largest buffered key; kept are the keys ``> T`` and, of the
+keys ``== T``, the ones with the lowest pool ids, ``k`` in all: exactly the row's Top-K of
+the pools seen so far; ``tau = T``. Exact because pools come in ascending id: a later cell
+with key ``<= T`` ranks below ``k`` kept cells (equal keys lose to lower ids), and a dropped
+cell ranks below ``k`` kept ones; ``tau`` only rises. After a compaction ``k`` entries
+remain and ``cap >= k + CHECK BP``, so the buffer never overflows (no fallback is needed;
+the launcher checks the bound). At the end a last compaction leaves the answer, sorted to
+ascending pool id.
 
 Imports Triton: import this module only where Triton is available.
 """
@@ -59,9 +61,15 @@ BLOCK_P = 64
 compiled: dict = {}
 
 
-def capacity(k: int, block_p: int = BLOCK_P) -> int:
-    """Candidate entries per row: the power of two ``>= k + block_p`` (never overflows)."""
-    return 1 << max(0, k + block_p - 1).bit_length()
+#: Blocks between two compaction checks (each check is one barrier).
+CHECK = 8
+
+
+def capacity(k: int, block_p: int = BLOCK_P, check: int = CHECK) -> int:
+    """Candidate entries per row: the power of two ``>= 2 k + check * block_p``. A check
+    compacts a row holding more than ``cap - check * block_p`` to ``k``, so the ``check``
+    blocks before the next one never overflow it."""
+    return 1 << max(0, 2 * k + check * block_p - 1).bit_length()
 
 
 def supports(heads: int, dim: int, k: int) -> list[str]:
@@ -141,15 +149,25 @@ def _kth_key(keys, k):
 
 @triton.jit
 def _compact(bk, bi, n, k, CAP: tl.constexpr):
-    """Keep the Top-K of the ``n`` buffered (key, id) entries at ``bk``/``bi`` (pool order):
-    the keys above the ``k``-th and the first ones equal to it; returns ``(kept, T)``."""
+    """Keep the Top-K of the ``n`` buffered (key, pool id) entries at ``bk``/``bi`` (in any
+    order; ids distinct): the keys above the ``k``-th largest ``T`` and, of the keys equal to
+    it, those with the lowest ids; returns ``(kept, T)``, ``kept = min(n, k)``."""
     j = tl.arange(0, CAP)
     ok = j < n
     keys = tl.load(bk + j, mask=ok, other=-2147483648)
-    ids = tl.load(bi + j, mask=ok, other=0)
+    ids = tl.load(bi + j, mask=ok, other=2147483647)
     t, n_gt = _kth_key(keys, k)
-    eq = (ok & (keys == t)).to(tl.int32)
-    keep = (ok & (keys > t)) | ((eq == 1) & (tl.cumsum(eq, axis=0) <= k - n_gt))
+    eq = ok & (keys == t)
+    need = k - n_gt  # keys equal to T to keep: the `need` lowest ids among them
+    lo = tl.full((), -1, tl.int32)  # count(eq & ids <= lo) < need
+    hi = tl.max(tl.where(eq, ids, -1))  # count(eq & ids <= hi) >= need
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if tl.sum((eq & (ids <= mid)).to(tl.int32)) >= need:
+            hi = mid
+        else:
+            lo = mid
+    keep = (ok & (keys > t)) | (eq & (ids <= hi))
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.debug_barrier()  # every entry is read before any is moved
     tl.store(bk + pos, keys, mask=keep)
@@ -160,8 +178,9 @@ def _compact(bk, bi, n, k, CAP: tl.constexpr):
 
 @triton.jit
 def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Logits, sl_r, Out, so_r, BufK, BufI,
-                  Emitted, k, pool_base, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
-                  CAP: tl.constexpr, KP: tl.constexpr, DENSE: tl.constexpr, ONE_DOT: tl.constexpr):  # fmt: skip
+                  Cnt, Emitted, k, pool_base, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
+                  CAP: tl.constexpr, KP: tl.constexpr, DENSE: tl.constexpr, ONE_DOT: tl.constexpr,
+                  CHECK: tl.constexpr):  # fmt: skip
     MINK: tl.constexpr = -2147483648
     N: tl.constexpr = BQ * 8
     pid = tl.program_id(0)
@@ -189,9 +208,9 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
         qcol = Q + nrow.to(tl.int64) * sq_r + nj * sq_h  # [N] pointers to channel 0 of head j (m = 0)
         wcol = W + nrow.to(tl.int64) * sw_r + nj
     slot = (pid * BQ + iq).to(tl.int64) * CAP  # each row's candidate buffer
+    crow = Cnt + pid * BQ + iq  # each row's candidate count (atomic)
     tau = tl.full((BQ,), MINK, tl.int32)
-    cnt = tl.zeros((BQ,), tl.int32)
-    emitted = tl.zeros((BQ,), tl.int32)
+    dropped = tl.zeros((BQ,), tl.int32)
     bp = tl.arange(0, BP)
     p_start = (lo // BP) * BP
     if hi <= lo:
@@ -233,41 +252,46 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
         else:
             key = row_keys(logit, vis)
             take = key > tau[None, :]
-            ti = take.to(tl.int32)
-            pos = cnt[None, :] + tl.cumsum(ti, axis=0) - 1
+            # a slot per passing cell: one relaxed atomic each (no scan, no barrier per block)
+            pos = tl.atomic_add(crow[None, :] + tl.zeros((BP, BQ), tl.int32), 1, mask=take, sem="relaxed")
             tl.store(BufK + slot[None, :] + pos, key, mask=take)
             tl.store(BufI + slot[None, :] + pos, p[:, None] + tl.zeros((BP, BQ), tl.int32), mask=take)
-            added = tl.sum(ti, axis=0)
-            cnt += added
-            emitted += added
-            if tl.max(cnt) > CAP - BP:  # a row's buffer could overflow with the next block
+            if (p0 - p_start) // BP % CHECK == CHECK - 1:  # every CHECK blocks: compact full buffers
+                tl.debug_barrier()
+                cnt = tl.load(crow, volatile=True)
                 for i in tl.static_range(BQ):
                     ci = tl.sum(tl.where(iq == i, cnt, 0))
-                    if ci > CAP - BP:
+                    if ci > CAP - CHECK * BP:  # the next CHECK blocks could overflow it
                         si = (pid * BQ + i).to(tl.int64) * CAP
                         kept, t = _compact(BufK + si, BufI + si, ci, k, CAP)
-                        cnt = tl.where(iq == i, kept, cnt)
+                        tl.store(Cnt + pid * BQ + i, kept)
+                        dropped = tl.where(iq == i, dropped + ci - kept, dropped)
                         tau = tl.where(iq == i, t, tau)
+                tl.debug_barrier()
     if not DENSE:
+        tl.debug_barrier()
         kofs = tl.arange(0, KP)
+        cnt = tl.load(crow, volatile=True)
         for i in tl.static_range(BQ):
             row = row0 + pid * BQ + i
             if row < row0 + nrows:
                 ci = tl.sum(tl.where(iq == i, cnt, 0))
                 si = (pid * BQ + i).to(tl.int64) * CAP
+                n_sel = ci
                 if ci > k:
-                    ci, _t = _compact(BufK + si, BufI + si, ci, k, CAP)
-                ids = tl.load(BufI + si + kofs, mask=kofs < ci, other=0)
-                val = tl.where(kofs < ci, ids + pool_base, -1)
+                    n_sel, _t = _compact(BufK + si, BufI + si, ci, k, CAP)
+                ids = tl.load(BufI + si + kofs, mask=kofs < n_sel, other=2147483647)
+                ids = tl.sort(ids)  # ascending pool id; the unused slots (INT32_MAX) last
+                val = tl.where(kofs < n_sel, ids + pool_base, -1)
                 tl.store(Out + (row - row0).to(tl.int64) * so_r + kofs, val, mask=kofs < k)
-                tl.store(Emitted + (row - row0), tl.sum(tl.where(iq == i, emitted, 0)))
+                tl.store(Emitted + (row - row0), ci + tl.sum(tl.where(iq == i, dropped, 0)))
 
 
 def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, starts: torch.Tensor,
                  ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None, pool_base: int = 0,
                  dense: bool = False, out: torch.Tensor | None = None, block_q: int | None = None,
-                 block_p: int = BLOCK_P, num_warps: int = 4, num_stages: int = 2, one_dot: bool | None = None,
-                 cap: int | None = None):  # fmt: skip
+                 block_p: int = BLOCK_P, num_warps: int = 4, num_stages: int = 3, one_dot: bool | None = None,
+                 cap: int | None = None, check: int = CHECK):  # fmt: skip
     """Scores (``dense``) or selected pools of query rows against pools, DeepGEMM's arithmetic.
 
     Args:
@@ -284,7 +308,8 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
             default ``128 / H``; ``block_p`` pools per block, a multiple of 64).
         one_dot: one ``[block_p, 128] x [128, block_q H]`` dot per block (H 32 and 64, the
             default there) or one ``[block_p, 128] x [128, 8 block_q]`` dot per chain step.
-        cap: candidate entries per row (default :func:`capacity`; at least ``k + block_p``).
+        cap, check: candidate entries per row (default :func:`capacity`) and blocks between
+            two compaction checks (``cap >= k + check * block_p``).
 
     Returns:
         ``dense``: logits ``[b - a, P]`` float32. Otherwise ``(pools, emitted)``: ``[b - a,
@@ -295,21 +320,23 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
     why = supports(H, D, k)
     if why:
         raise ValueError(f"score_select: {'; '.join(why)}")
-    block_q = block_q or max(1, 128 // H)
     one_dot = H in (32, 64) if one_dot is None else one_dot
-    if one_dot and H not in (32, 64):
-        raise ValueError(f"one_dot: needs H in (32, 64), got H = {H}")
+    block_q = block_q or (128 // H if one_dot else 4)
+    if one_dot and (H not in (32, 64) or block_q * H < 128):
+        raise ValueError(f"one_dot: needs H in (32, 64) and block_q * H >= 128, got H = {H}, block_q = {block_q}")
+    if not one_dot and block_q < 4:  # N = 8 block_q < 32: Triton may pick mma.sync, not wgmma (measured at N 8)
+        raise ValueError(f"block_q: expected at least 4 with one_dot=False, got {block_q}")
     a, b = rows if rows is not None else (0, C)
     nr = b - a
     dev = q8.device
     P = k8.shape[0]
-    cap = cap or capacity(k, block_p)
+    cap = cap or capacity(k, block_p, check)
     grid = (max(1, triton.cdiv(nr, block_q)),)
     if dense:
         logits = torch.full((C, max(P, 1)), float("nan"), dtype=torch.float32, device=dev)
         dummy = torch.empty(1, dtype=torch.int32, device=dev)
-        _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, dummy, dummy, dummy, dummy, k, pool_base, H, D,
-                block_q, block_p, cap, 1, True, num_warps, num_stages, one_dot)  # fmt: skip
+        _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, dummy, dummy, dummy, dummy, dummy, k, pool_base,
+                H, D, block_q, block_p, cap, 1, True, num_warps, num_stages, one_dot, check)  # fmt: skip
         return logits[a:b]
     if out is None:
         out = torch.empty((nr, k), dtype=torch.int32, device=dev)
@@ -317,23 +344,24 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
         raise ValueError(f"out: expected an int32 tensor of shape {(nr, k)} with unit column stride, got "
                          f"{out.dtype} {tuple(out.shape)}")  # fmt: skip
     slots = grid[0] * block_q
+    counts = torch.zeros(slots, dtype=torch.int32, device=dev)
     buf_k = torch.empty((slots, cap), dtype=torch.int32, device=dev)
     buf_i = torch.empty((slots, cap), dtype=torch.int32, device=dev)
     emitted = torch.empty(nr, dtype=torch.int32, device=dev)
     kp = 1 << max(0, k - 1).bit_length()
-    _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, out, out, buf_k, buf_i, emitted, k, pool_base, H, D,
-            block_q, block_p, cap, kp, False, num_warps, num_stages, one_dot)  # fmt: skip
+    _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, out, out, buf_k, buf_i, counts, emitted, k, pool_base, H, D,
+            block_q, block_p, cap, kp, False, num_warps, num_stages, one_dot, check)  # fmt: skip
     return out, emitted
 
 
-def _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, out, buf_k, buf_i, emitted, k, pool_base, H, D,
-            block_q, block_p, cap, kp, dense, num_warps, num_stages, one_dot):  # fmt: skip
-    if cap < k + block_p:
-        raise AssertionError(f"candidate capacity {cap} < k + block_p = {k + block_p}")
+def _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, out, buf_k, buf_i, counts, emitted, k, pool_base, H,
+            D, block_q, block_p, cap, kp, dense, num_warps, num_stages, one_dot, check):  # fmt: skip
+    if cap < k + check * block_p:
+        raise ValueError(f"cap: expected at least k + check * block_p = {k + check * block_p}, got {cap}")
     kernel = _fused_kernel[grid](
         q8, q8.stride(0), q8.stride(1), w, w.stride(0), k8, k_scale, starts, ends, a, nr,
-        logits, logits.stride(0), out, out.stride(0), buf_k, buf_i, emitted, k, pool_base,
-        H=H, D=D, BQ=block_q, BP=block_p, CAP=cap, KP=kp, DENSE=dense, ONE_DOT=one_dot, num_warps=num_warps, num_stages=num_stages,
+        logits, logits.stride(0), out, out.stride(0), buf_k, buf_i, counts, emitted, k, pool_base,
+        H=H, D=D, BQ=block_q, BP=block_p, CAP=cap, KP=kp, DENSE=dense, ONE_DOT=one_dot, CHECK=check, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False,
     )  # fmt: skip
     compiled[(H, block_q, block_p, dense, one_dot)] = kernel

@@ -133,7 +133,8 @@ def supports(width: int, k: int) -> bool:
 def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gmax, Cand, R, k, nprog,
                   TILE: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, CAPG: tl.constexpr, KP: tl.constexpr,
                   WAYS: tl.constexpr, SB: tl.constexpr, GL: tl.constexpr, CW: tl.constexpr, VSTEPS: tl.constexpr = 0,
-                  F2A: tl.constexpr = 0.0, F2B: tl.constexpr = 0.0, F4A: tl.constexpr = 0.0, F4B: tl.constexpr = 0.0):
+                  F2A: tl.constexpr = 0.0, F2B: tl.constexpr = 0.0, F4A: tl.constexpr = 0.0, F4B: tl.constexpr = 0.0,
+                  SHORT: tl.constexpr = 1):
     MINK: tl.constexpr = -2147483648
     NB: tl.constexpr = TILE // G
     pid = tl.program_id(0)
@@ -163,7 +164,7 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
         orow = Out + tl.cast(row, tl.int64) * stride_o
         tl.debug_barrier()  # the previous row is done with the scratch
         nsel = tl.full((), 0, tl.int32)
-        if e - a <= k:
+        if (e - a <= k) & (SHORT == 1):
             # 0. a row that sees at most k cells selects every visible one: no ranking (the
             # rows of short documents); one masked tile of KP >= k columns, in column order
             m0 = kofs < e - a
@@ -305,6 +306,7 @@ def topk_ascending(
     vsteps: int | None = None,
     split2: tuple[float, float] | None = None,
     split4: tuple[float, float] | None = None,
+    short_rows: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exact Top-K of each row, in ascending column order.
@@ -338,6 +340,8 @@ def topk_ascending(
             fractions (``ways=2``: at ``a``) instead of evenly (phase 2, with ``vsteps``) or
             in key (phase 4); defaults ``_DEFAULT_SPLIT2`` and ``_DEFAULT_SPLIT4``. The
             answer does not depend on them.
+        short_rows: rows whose range holds at most ``k`` columns select every visible one
+            without ranking (step 0); ``False`` ranks them as the others (benchmarks).
         out: optional ``[R, k]`` int32 destination with unit column stride (e.g. rows of
             a larger output), every element overwritten; returned.
 
@@ -386,7 +390,7 @@ def topk_ascending(
         )
     # streamed candidate blocks: at least 256 groups (small k would make tiny blocks), within the block limit
     sb = max(capg, min(256, _MAX_BLOCK // group))
-    consts = dict(TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), WAYS=ways, SB=sb, GL=max(group, 8),
+    consts = dict(SHORT=int(short_rows), TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), WAYS=ways, SB=sb, GL=max(group, 8),
                   CW=max(ng, capg), num_warps=warps)  # fmt: skip
     if vsteps and ways in (2, 3):
         consts["VSTEPS"] = vsteps

@@ -489,6 +489,7 @@ def fp8_case(C, H, P, seed, *, levels=0, zero_rows=(), bias=0.0):
 
 
 def check_fused(q8, w, k8, scale, starts, ends, k, **kw):
+    kw.setdefault("check", 2)  # compaction checks every 2 blocks: small buffers that compact often
     C = q8.shape[0]
     dense = ff.score_select(q8, w, k8, scale, starts, ends, k, dense=True, **kw)
     vis = in_range(dense, starts, ends)
@@ -499,16 +500,15 @@ def check_fused(q8, w, k8, scale, starts, ends, k, **kw):
     return dense, emitted
 
 
-@pytest.mark.parametrize("H,bq,one_dot", [(32, 4, True), (32, 4, False), (64, 2, True), (64, 4, False), (128, 1, False),
-                                          (64, 1, True)])  # fmt: skip
+@pytest.mark.parametrize("H,bq,one_dot", [(32, 4, True), (32, 4, False), (64, 2, True), (64, 4, False), (128, 4, False),
+                                          (64, 4, True), (32, 8, False)])  # fmt: skip
 def test_fused_fp8_selection_equals_dense_logits_plus_exact_topk(H, bq, one_dot):
     C, P, k = 7, 700, 16
     q8, w, k8, scale = fp8_case(C, H, P, seed=H + bq)
     starts = torch.tensor([0, 3, 100, 650, 0, 5, 699], dtype=torch.int32)
     ends = torch.tensor([700, 690, 100, 700, 10, 17, 700], dtype=torch.int32)  # empty, short, k+1 rows
     dense, emitted = check_fused(q8, w, k8, scale, starts, ends, k, block_q=bq, one_dot=one_dot)
-    other = ff.score_select(q8, w, k8, scale, starts, ends, k, dense=True, block_q=bq, one_dot=not one_dot) if H < 128 \
-        else dense  # fmt: skip
+    other = ff.score_select(q8, w, k8, scale, starts, ends, k, dense=True, one_dot=not one_dot) if H < 128 else dense
     assert torch.equal(dense.view(torch.int32), other.view(torch.int32))  # the two dot shapes: the same DAG
     # the dense logits are the serving arithmetic (tolerance: the interpreter's dot is not
     # the GPU's FP8 tensor-core sum, and the head order differs)
@@ -554,5 +554,41 @@ def test_fused_gate_keeps_a_later_pool_one_ulp_above_the_threshold():
     scale[200 : 200 + k] = steps.view(torch.float32)[j]
     k8 = k8[:1].expand(P, 128).contiguous()
     ends = torch.full((1,), P, dtype=torch.int32)
-    got, _ = ff.score_select(q8, w, k8, scale, torch.zeros(1, dtype=torch.int32), ends, k)
+    got, _ = ff.score_select(q8, w, k8, scale, torch.zeros(1, dtype=torch.int32), ends, k, check=1)
     assert got.tolist() == [[200, 201, 202, 203]]
+
+
+def test_compaction_breaks_ties_by_pool_id_in_any_buffer_order():
+    # the buffer is filled by atomics (no order on the GPU): compaction must keep, of the keys
+    # equal to the k-th, the lowest pool ids wherever they sit in the buffer
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def compact(BK, BI, Res, n, k, CAP: tl.constexpr):
+        kept, t = ff._compact(BK, BI, n, k, CAP)
+        tl.store(Res, kept)
+        tl.store(Res + 1, t)
+
+    g = torch.Generator().manual_seed(2)
+    for n, k in [(100, 10), (128, 64), (37, 37), (90, 1)]:
+        keys = torch.randint(0, 4, (n,), generator=g, dtype=torch.int32)  # heavy ties
+        ids = torch.randperm(1000, generator=g)[:n].int()
+        bk, bi = torch.zeros(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)
+        bk[:n], bi[:n] = keys, ids
+        res = torch.zeros(2, dtype=torch.int32)
+        compact[(1,)](bk, bi, res, n, k, CAP=128)
+        order = sorted(range(n), key=lambda j: (-int(keys[j]), int(ids[j])))[:k]
+        assert int(res[0]) == k and int(res[1]) == int(keys[order[-1]])
+        assert sorted(bi[:k].tolist()) == sorted(int(ids[j]) for j in order)
+
+
+def test_short_rows_step_is_only_a_shortcut():
+    g = torch.Generator().manual_seed(4)
+    s = torch.randn(6, 300, generator=g)
+    s[0, 3:9] = float("nan")
+    starts, ends = torch.tensor([0, 10, 50, 0, 299, 100]), torch.tensor([20, 30, 51, 300, 300, 132])
+    base = torch.arange(6, dtype=torch.int64)
+    a = tk.topk_ascending(s, starts, ends, base, 32, tile=128)
+    b = tk.topk_ascending(s, starts, ends, base, 32, tile=128, short_rows=False)
+    assert torch.equal(a, b) and torch.equal(a, exact_ascending(s, starts, ends, base, 32))
