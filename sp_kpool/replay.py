@@ -66,7 +66,7 @@ from .selection import assemble, row_meta
 from .settings import Settings
 from .sharding import ShardedSequence
 
-__all__ = ["IDS", "MISSING", "shard", "shard_local", "compare", "captured_rows", "ReplayError"]
+__all__ = ["IDS", "MISSING", "shard", "shard_local", "documents", "compare", "captured_rows", "ReplayError"]
 
 #: ``ids=``: document-local token positions, or document-local pool ids.
 IDS = ("tokens", "pools")
@@ -420,6 +420,37 @@ def _replay_local(captures, seq: ShardedSequence, cfg: KPoolConfig, pools: bool,
                             order=cfg.order, alignment=cfg.alignment, presorted=cfg.order == "ascending")  # fmt: skip
         out[to_device(storage, dev)] = seq.stream_ids(expanded)
     return out, storage[uncovered_local]
+
+
+def documents(ids: torch.Tensor, seq: ShardedSequence, *, as_pools: bool = False,
+              kpool: int | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """A world-size-1 selection as a capture: the inverse of :func:`shard`.
+
+    ``ids``: ``[S, W]`` (stream ids, ``-1`` unused) of a ``seq`` with ``world_size == 1``,
+    e.g. ``kpool_topk``'s output. Returns one int32 ``[len_d, W']`` CPU tensor per real
+    document: its rows' ids as document-local token positions (``W' = W``), or with
+    ``as_pools`` (``kpool`` needed) its history pools as document-local pool ids in column
+    order (``W' = W // kpool``, the tail dropped), ``-1`` unused.
+    """
+    if not isinstance(seq, ShardedSequence) or seq.world_size != 1:
+        raise ValueError(f"seq: expected a ShardedSequence of world size 1, got {seq!r}")
+    if as_pools and kpool is None:
+        raise ValueError("kpool: needed with as_pools=True, got None")
+    real = _local_real(ids.cpu(), seq)  # [N, W] real-row ids, real-row order
+    cu = seq.real_cu_seq_lens
+    out = []
+    for d in range(cu.numel() - 1):
+        a, b = int(cu[d]), int(cu[d + 1])
+        v = real[a:b]
+        local = torch.where(v >= 0, v - a, -1)
+        if as_pools:
+            j = torch.arange(b - a)[:, None]
+            start = (local >= 0) & (local % kpool == 0) & (local < ((j + 1) // kpool) * kpool)
+            pools = torch.where(start, local // kpool, -1)
+            keep = torch.sort((~start).to(torch.int8), dim=1, stable=True).indices
+            local = pools.gather(1, keep)[:, : max(1, v.shape[1] // kpool)]
+        out.append(local.to(torch.int32))
+    return out
 
 
 # --------------------------------------------------------------------------- compare
