@@ -329,3 +329,47 @@ def test_gloo_ranks_replay_equals_kpool_topk_and_fail_alike(world_size, layout):
         assert len(messages) == 1, messages
         (message,) = messages
         assert "captured: document 2, row 50, column" in message and "selected twice in the row" in message, message
+
+
+# --------------------------------------------------------------------------- KPoolIndexer modes
+
+
+def _indexer(**kw):
+    from sp_kpool import KPoolIndexer
+
+    torch.manual_seed(0)
+    m = KPoolIndexer(hidden_size=32, q_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=TOPK,
+                     index_kpool=K, precision="bf16", dtype=torch.float32, **kw)  # fmt: skip
+    for p in m.parameters():
+        p.data.normal_()
+    return m
+
+
+def test_indexer_replay_and_verify_modes():
+    seq = ShardedSequence.split([0, *np.cumsum(LENGTHS).tolist()], 1, 0)
+    g = torch.Generator().manual_seed(1)
+    hidden, q_resid = torch.randn(seq.shard_size, 32, generator=g), torch.randn(seq.shard_size, 16, generator=g)
+    computed = _indexer()(hidden, q_resid, seq)
+    capture = _truncated(replay.documents(computed, seq))  # the rollout has no row for the last token
+    assert torch.equal(_indexer(mode="replay")(hidden, q_resid, seq, replay=capture), computed)
+    empty = _indexer(mode="replay", replay_missing="empty")(hidden, q_resid, seq, replay=capture)
+    assert (empty != computed).any(1).sum() == sum(1 for n in LENGTHS if n >= K)  # the last rows lost their history
+    verify = _indexer(mode="verify")
+    assert torch.equal(verify(hidden, q_resid, seq, replay=capture), computed)
+    assert verify.last_comparison["rows"] == sum(LENGTHS) and verify.last_comparison["rows_differing"] == 0
+    perturbed = [c.clone() for c in capture]
+    row = perturbed[2][40]
+    chosen = sorted({int(v) // K for v in row[:TOPK] if v >= 0})
+    free = next(p for p in range(41 // K) if p not in chosen)
+    row[:TOPK] = torch.tensor([p * K + s for p in sorted(chosen[1:] + [free]) for s in range(K)])
+    ids = verify(hidden, q_resid, seq, replay=perturbed)  # the replayed ids are returned
+    assert not torch.equal(ids, computed)
+    rep = verify.last_comparison
+    assert rep["rows_differing"] == 1 and rep["first_difference"]["document"] == 2
+    assert rep["first_difference"]["row"] == 40
+    with pytest.raises(TypeError, match="replay: given, but the module's mode is 'compute'"):
+        _indexer()(hidden, q_resid, seq, replay=capture)
+    with pytest.raises(TypeError, match="captured: expected a list"):
+        _indexer(mode="replay")(hidden, q_resid, seq)
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        _indexer(mode="both")
