@@ -373,3 +373,55 @@ def test_indexer_replay_and_verify_modes():
         _indexer(mode="replay")(hidden, q_resid, seq)
     with pytest.raises(ValueError, match="mode: expected one of"):
         _indexer(mode="both")
+
+
+# --------------------------------------------------------------------------- rollout selection files
+
+
+def test_rollout_file_round_trip_replays_at_another_world_size(tmp_path):
+    import base64
+
+    from sp_kpool import rollout
+
+    x = _problem(seed=7)
+    configs = [CONFIGS[0], CONFIGS[1]]
+    refs = [_world1(x, c) for c in configs]
+    seq1 = refs[0][1]
+    layers = [replay.documents(ref, seq1, as_pools=True, kpool=K) for ref, _ in refs]  # two "layers"
+    path = rollout.write_selections(tmp_path / "batch.safetensors", layers, ids="pools", kpool=K, topk=TOPK)
+    got = rollout.read_selections(path)
+    assert got.ids == "pools" and got.num_layers == 2 and got.num_docs == len(LENGTHS) and got.kpool == K
+    assert {t.dtype for layer in got.layers for t in layer} == {torch.int8}  # at most 16 pools: int8
+    for li, config in enumerate(configs):
+        seqs = _seqs(x.cu_seq_lens, 3, "zigzag-per-document")
+        outs = simulate_ranks(x, 3, seqs=seqs, topk=TOPK, kpool=K, tail=config.tail, order=config.order,
+                              alignment=config.alignment)  # fmt: skip
+        for s, computed in zip(seqs, outs):
+            assert torch.equal(replay.shard_local(got.layer(li), s, config, ids="pools", missing="fail")[0], computed)
+    assert rollout.narrowest(torch.tensor([127])) == torch.int8 and rollout.narrowest(torch.tensor([128])) == torch.int16
+    assert rollout.narrowest(torch.tensor([40000])) == torch.int32
+    # a flipped byte is reported, not replayed
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"bad.safetensors: tensor 'layer001.doc00004' fails its checksum"):
+        rollout.read_selections(bad)
+    with pytest.raises(ValueError, match="no such rollout selection file"):
+        rollout.read_selections(tmp_path / "none.safetensors")
+    with pytest.raises(ValueError, match=r"layers\[1\]: expected 5 documents \(as layer 0\), got 4"):
+        rollout.write_selections(tmp_path / "x.safetensors", [layers[0], layers[1][:4]])
+    assert not list(tmp_path.glob("*.tmp*"))
+    # SGLang's per-request arrays: (seqlen - 1, num_layers, index_topk) int32, base64
+    requests = []
+    for d in range(len(LENGTHS)):
+        per_layer = [replay.documents(ref, seq1)[d][:-1, :TOPK] for ref, _ in refs]  # history columns, no last row
+        stacked = np.stack([p.numpy() for p in per_layer], axis=1).astype("<i4")
+        requests.append({"meta_info": {"indexer_topk": base64.b64encode(stacked.tobytes()).decode()}})
+    batch = rollout.sglang_batch(requests, num_layers=2, index_topk=TOPK)
+    assert [a.shape for a in batch[0]] == [(n - 1, TOPK) for n in LENGTHS]
+    for li, (ref, _) in enumerate(refs):
+        inputs = shard_inputs(x, seq1)
+        assert torch.equal(replay.shard(batch[li], seq1, configs[li], inputs=inputs), ref)
+    with pytest.raises(ValueError, match="indexer_topk: expected a multiple of num_layers x index_topk = 32 values"):
+        rollout.from_sglang(np.zeros(33, dtype=np.int32), num_layers=2, index_topk=TOPK)
