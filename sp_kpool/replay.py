@@ -128,95 +128,127 @@ def _captures(captured: Any, seq: ShardedSequence) -> list[torch.Tensor]:
     return out
 
 
-def captured_rows(captures: Sequence[torch.Tensor], seq: ShardedSequence, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's captured rows: ``(values [R, W] int64, covered [R] bool)`` for its real rows
-    (``seq.real_rows()``, ascending), ``W`` the widest capture, ``-1`` past a document's width
-    and in rows the capture does not cover."""
-    rows = seq.real_rows()
-    cu = seq.real_cu_seq_lens
-    width = max((int(c.shape[1]) for c in captures), default=0)
+def captured_rows(captures: Sequence[torch.Tensor], cu: torch.Tensor, rows: torch.Tensor, device,
+                  width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The captured rows of real rows ``rows`` (ascending int64 CPU; ``cu`` the real documents'
+    boundaries): ``(values [R, W] int32, covered [R] bool)`` on ``device``, ``W`` the widest
+    capture (or ``width``), ``-1`` past a document's width and in rows the capture does not
+    cover."""
+    if width is None:
+        width = max((int(c.shape[1]) for c in captures), default=0)
     R = rows.numel()
-    vals = torch.full((R, width), -1, dtype=torch.int64, device=device)
+    vals = torch.full((R, width), -1, dtype=torch.int32, device=device)
     covered = torch.zeros(R, dtype=torch.bool)
     if R == 0:
         return vals, covered.to(device)
+
+    def int32(x: torch.Tensor) -> torch.Tensor:  # int64 values saturate (and then fail validation)
+        if x.dtype == torch.int64:
+            return x.to(device).clamp(-2, _BIG32 - 1).to(torch.int32)
+        return x.to(device, torch.int32)  # int32 and narrower
+
     doc = torch.searchsorted(cu, rows, right=True) - 1
-    bounds = torch.searchsorted(doc, torch.arange(cu.numel()), right=False).tolist()
-    for d in range(cu.numel() - 1):
-        a, b = bounds[d], bounds[d + 1]
+    d_lo, d_hi = int(doc[0]), int(doc[-1]) + 1
+    bounds = torch.searchsorted(doc, torch.arange(d_lo, d_hi + 1), right=False).tolist()
+    for d in range(d_lo, d_hi):
+        a, b = bounds[d - d_lo], bounds[d - d_lo + 1]
         if a == b:
             continue
         cap = captures[d]
         j = rows[a:b] - cu[d]
-        ok = j < cap.shape[0]
-        if not bool(ok.any()):
+        n = int(cap.shape[0])
+        if int(j[-1]) < n:  # every row covered
+            vals[a:b, : cap.shape[1]] = int32(cap.index_select(0, j.to(cap.device)))
+            covered[a:b] = True
             continue
-        sel = torch.nonzero(ok).flatten()
-        src = cap.index_select(0, j[sel].to(cap.device)).to(device, torch.int64)
-        vals[a + sel.to(device), : cap.shape[1]] = src
-        covered[a + sel] = True
+        sel = torch.nonzero(j < n).flatten()
+        if sel.numel():
+            vals[a + sel.to(device), : cap.shape[1]] = int32(cap.index_select(0, j[sel].to(cap.device)))
+            covered[a + sel] = True
     return vals, covered.to(device)
 
 
 # --------------------------------------------------------------------------- validation
 
 
-def _check_rows(v: torch.Tensor, j: torch.Tensor, length: torch.Tensor, kpool: int, topk: int, pools: bool):
-    """Validate ``v [r, W]`` int64 (the captured rows; ``j``, ``length``: ``[r]`` document-local
-    position and document length) and return ``(code [r], column [r], pools [r, W], first [r, W])``
-    (int64): per row its first problem (``_OK`` if none: the lowest code, then the lowest
-    column) and that column; the row's document-local pools ascending (``-1`` after them) and
-    for each the first captured column holding one of its ids (the capture's order; a large
-    value after them)."""
+_BIG32 = torch.iinfo(torch.int32).max
+
+
+def _sorted_live(v: torch.Tensor, limit: torch.Tensor):
+    """``v`` with invalid entries (``< 0`` or ``>= limit``) as a large value, sorted per row:
+    ``(sorted [r, W] int32, perm [r, W] int64, live-and-sorted mask)``."""
+    live = (v >= 0) & (v < limit[:, None])
+    s, perm = torch.sort(torch.where(live, v, _BIG32), dim=1, stable=True)
+    return s, perm, s != _BIG32
+
+
+def _check_rows(v: torch.Tensor, j: torch.Tensor, kpool: int, topk: int, pools: bool, capture_order: bool):
+    """Validate ``v [r, W]`` int32 (the captured rows; ``j [r]`` their document-local
+    positions) and select: ``(bad [r] bool, pools [r, W] int64, first [r, W] int64 or None)``:
+    the rows with a problem (:func:`_first_problem` names it), each row's document-local
+    pools ascending (``-1`` after them) and, with ``capture_order``, for each the first
+    captured column holding one of its ids (a large value after them)."""
     r, W = v.shape
     dev = v.device
+    n_vis = ((j + 1) // kpool).to(torch.int32)
+    limit = n_vis if pools else (j + 1).to(torch.int32)  # exclusive bound of a valid (causal) value
+    bad = ((v < -1) | (v >= limit[:, None])).any(1)
+    s, perm, ok = _sorted_live(v, limit)
+    if W > 1:
+        bad |= ((s[:, 1:] == s[:, :-1]) & ok[:, 1:]).any(1)  # an id twice
+    hist = ok if pools else ok & (s < (n_vis * kpool)[:, None])
+    pool = s if pools else torch.div(s, kpool, rounding_mode="floor")
+    start = hist.clone()
+    if W > 1:
+        start[:, 1:] &= pool[:, 1:] != pool[:, :-1]
+    n_pools = start.sum(1)
+    if not pools:
+        bad |= hist.sum(1) != n_pools * kpool  # some pool not whole
+    bad |= n_pools > topk // kpool
+    gid = torch.where(start, torch.cumsum(start, dim=1, dtype=torch.int64) - 1, W)  # column W: a dump
+    pool_ids = torch.full((r, W + 1), -1, dtype=torch.int64, device=dev)
+    pool_ids.scatter_(1, gid, pool.to(torch.int64).masked_fill_(~start, -1))
+    first = None
+    if capture_order:  # each pool's first captured column: its ids are consecutive in sorted order
+        member = torch.where(hist, torch.cumsum(start, dim=1, dtype=torch.int64) - 1, W)
+        first = torch.full((r, W + 1), _BIG, dtype=torch.int64, device=dev)
+        first.scatter_reduce_(1, member, perm, "amin")
+        first = first[:, :W]
+    return bad, pool_ids[:, :W], first
+
+
+def _first_problem(v: torch.Tensor, j: torch.Tensor, kpool: int, topk: int, pools: bool) -> tuple[int, int]:
+    """``(code, column)`` of the first problem of one bad captured row ``v [W]`` int32 (the
+    lowest code, then the lowest column)."""
+    W = v.numel()
+    v, j = v[None], j.reshape(1)
     n_vis = (j + 1) // kpool
-    limit = n_vis if pools else j + 1  # exclusive bound of a valid (causal) value
-    code = torch.zeros((r, W), dtype=torch.int64, device=dev)
+    limit = n_vis if pools else j + 1
+    code = torch.zeros((1, W), dtype=torch.int64, device=v.device)
     code.masked_fill_(v < -1, _NEGATIVE)
     code.masked_fill_(v >= limit[:, None], _NOT_CAUSAL)
-    live = (v >= 0) & (v < limit[:, None])
-    s, perm = torch.sort(torch.where(live, v, _BIG), dim=1, stable=True)
-    ok_sorted = s != _BIG
-    dup = torch.zeros_like(ok_sorted)
+    s, perm, ok = _sorted_live(v, limit)
+    dup = torch.zeros_like(ok)
     if W > 1:
-        dup[:, 1:] = (s[:, 1:] == s[:, :-1]) & ok_sorted[:, 1:]
-    hist = ok_sorted & ~dup
+        dup[:, 1:] = (s[:, 1:] == s[:, :-1]) & ok[:, 1:]
+    hist = ok & ~dup
     if not pools:
         hist &= s < (n_vis * kpool)[:, None]
-    partial = torch.zeros_like(ok_sorted)
+    partial = torch.zeros_like(ok)
     if not pools and kpool > 1:
         slot = torch.where(hist, s % kpool, 0)
-        pos = torch.arange(W, device=dev)[None]
-        first = pos - slot
-        last = first + kpool - 1
-        start = s - slot
-        okf = (first >= 0) & (s.gather(1, first.clamp(0, W - 1)) == start)
-        okl = (last < W) & (s.gather(1, last.clamp(0, W - 1)) == start + kpool - 1)
-        partial = hist & ~(okf & okl)
-    group_start = hist & ~partial & ((s % kpool == 0) if not pools else torch.ones_like(hist))
-    count = torch.cumsum(group_start.to(torch.int64), dim=1)  # pools up to here (sorted order)
-    too_many = group_start & (count > topk // kpool)
-    sorted_code = torch.zeros_like(code)
-    sorted_code.masked_fill_(too_many, _TOO_MANY)
-    sorted_code.masked_fill_(partial, _PARTIAL_POOL)
-    sorted_code.masked_fill_(dup, _DUPLICATE)
-    back = torch.zeros_like(code).scatter_(1, perm, sorted_code)
-    code = torch.where(code > 0, code, back)
-    # the first problem of each row: the lowest code, then the lowest column
-    key = torch.where(code > 0, code * (W + 1) + torch.arange(W, device=dev)[None], _BIG)
-    best = key.min(dim=1).values if W else torch.full((r,), _BIG, device=dev)
-    row_code = torch.where(best == _BIG, 0, best // (W + 1))
-    row_col = torch.where(best == _BIG, -1, best % (W + 1))
-    # the selected pools: one per group start, in sorted (ascending) order, with the first
-    # captured column of any of its ids (the capture's order)
-    gid = (count - 1).clamp(min=0)
-    member = hist & ~partial
-    col_first = torch.full((r, W + 1), _BIG, dtype=torch.int64, device=dev)  # column W: a dump
-    col_first.scatter_reduce_(1, torch.where(member, gid, W), torch.where(member, perm, _BIG), "amin")
-    pool_ids = torch.full((r, W + 1), -1, dtype=torch.int64, device=dev)
-    pool_ids.scatter_(1, torch.where(group_start, gid, W), torch.where(group_start, s // (1 if pools else kpool), -1))
-    return row_code, row_col, pool_ids[:, :W], col_first[:, :W]
+        pos = torch.arange(W, device=v.device)[None]
+        lo, hi, base = pos - slot, pos - slot + kpool - 1, s - slot
+        whole = (lo >= 0) & (s.gather(1, lo.clamp(0, W - 1)) == base)
+        whole &= (hi < W) & (s.gather(1, hi.clamp(0, W - 1)) == base + kpool - 1)
+        partial = hist & ~whole
+    start = hist & ~partial & ((s % kpool == 0) if not pools else torch.ones_like(hist))
+    too_many = start & (torch.cumsum(start.to(torch.int64), dim=1) > topk // kpool)
+    in_sorted = torch.zeros_like(code)
+    in_sorted.masked_fill_(too_many, _TOO_MANY).masked_fill_(partial, _PARTIAL_POOL).masked_fill_(dup, _DUPLICATE)
+    code = torch.where(code > 0, code, torch.zeros_like(code).scatter_(1, perm, in_sorted))[0].tolist()
+    c = min(x for x in code if x > 0)
+    return c, code.index(c)
 
 
 def _reason(code: int, value: int, j: int, length: int, kpool: int, topk: int, pools: bool, d: int) -> str:
@@ -373,33 +405,34 @@ def _replay_local(captures, seq: ShardedSequence, cfg: KPoolConfig, pools: bool,
     K, T = cfg.kpool, cfg.topk
     cu = seq.real_cu_seq_lens
     rows = seq.real_rows()
-    vals, covered = captured_rows(captures, seq, dev)
-    R, W = vals.shape
+    R, W = rows.numel(), max((int(c.shape[1]) for c in captures), default=0)
     k_sel = max(1, min(T // K, W))
+    covered = torch.zeros(R, dtype=torch.bool, device=dev)
     doc = torch.searchsorted(cu, rows, right=True) - 1
     j_all = (rows - cu[doc]).to(dev)
     length_all = (cu[doc + 1] - cu[doc]).to(dev)
-    codes = torch.zeros(R, dtype=torch.int64, device=dev)
-    cols = torch.full((R,), -1, dtype=torch.int64, device=dev)
+    bad_rows = torch.zeros(R, dtype=torch.bool, device=dev)
     selected = torch.full((R, k_sel), -1, dtype=torch.int64, device=dev)
     step = max(1, _CHUNK_ENTRIES // max(W, 1))
+    capture_order = cfg.order != "ascending"
+    first_bad = None
     for a in range(0, R, step):
         b = min(R, a + step)
-        c, col, pids, first = _check_rows(vals[a:b], j_all[a:b], length_all[a:b], K, T, pools)
-        codes[a:b], cols[a:b] = c, col
-        if cfg.order != "ascending":  # the capture's order: by each pool's first captured column
-            order = torch.sort(first, dim=1, stable=True).indices
-            pids = pids.gather(1, order)
-        pids = pids[:, :k_sel]
-        selected[a:b, : pids.shape[1]] = pids
-    bad = torch.nonzero(codes).flatten()
-    if bad.numel():
-        i = int(bad[0])
-        d, j, col = int(doc[i]), int(j_all[i]), int(cols[i])
-        value = int(vals[i, col])
-        length = int(length_all[i])
+        vals, covered[a:b] = captured_rows(captures, cu, rows[a:b], dev, W)
+        bad, pids, first = _check_rows(vals, j_all[a:b], K, T, pools, capture_order)
+        if first_bad is None and bool(bad.any()):  # the first bad row (real-row order) and its captured row
+            i = int(torch.nonzero(bad)[0])
+            first_bad = (a + i, vals[i].clone())
+        if capture_order:  # the capture's order: by each pool's first captured column
+            pids = pids.gather(1, torch.sort(first, dim=1, stable=True).indices)
+        selected[a:b, : min(k_sel, W)] = pids[:, :k_sel]
+    if first_bad is not None:
+        i, row = first_bad
+        d, j, length = int(doc[i]), int(j_all[i]), int(length_all[i])
+        code, col = _first_problem(row, j_all[i], K, T, pools)
+        value = int(row[col])
         raise ReplayError(f"captured: document {d}, row {j}, column {col}: value {value}: "
-                          f"{_reason(int(codes[i]), value, j, length, K, T, pools, d)}")  # fmt: skip
+                          f"{_reason(code, value, j, length, K, T, pools, d)}")  # fmt: skip
     uncovered_local = torch.nonzero(~covered.cpu()).flatten()
     if missing == "fail" and uncovered_local.numel():
         i = int(uncovered_local[0])
@@ -407,8 +440,6 @@ def _replay_local(captures, seq: ShardedSequence, cfg: KPoolConfig, pools: bool,
         raise ReplayError(f"captured: document {d}, row {int(j_all[i])}: not covered by the capture "
                           f"(captured[{d}] has {int(captures[d].shape[0])} rows, the document "
                           f"{int(length_all[i])}; missing='fail')")  # fmt: skip
-    if uncovered_local.numel():  # no history until computed (missing="compute") or for good ("empty")
-        selected[to_device(uncovered_local, dev)] = -1
     pool_tok_start, doc_pool_offset = pool_table(cu, K)
     offs = to_device(doc_pool_offset, dev)[to_device(doc, dev)]
     selected = torch.where(selected >= 0, selected + offs[:, None], -1)
