@@ -152,6 +152,9 @@ def test_every_validation_rule_names_document_row_column_value():
                                              "position >= 0 (inside the document) or -1 (unused)"),
         (_set(toks, 2, 30, 3, 31), "tokens", "captured: document 2, row 30, column 3: value 31: after the row "
                                              "(not causal): expected a position <= 30"),
+        # a causal violation alone: row 5 holds pool 0 (columns 0..3) and its tail 4, 5 (16, 17)
+        (_set(toks, 2, 5, 4, 6), "tokens", "captured: document 2, row 5, column 4: value 6: after the row (not "
+                                           "causal): expected a position <= 5"),
         (_set(toks, 2, 30, 3, 64), "tokens", "captured: document 2, row 30, column 3: value 64: outside document 2 "
                                              "of 64 tokens (expected a position <= 30, the row)"),
         (_set(toks, 2, 30, 5, int(toks[2][30, 4])), "tokens", "captured: document 2, row 30, column 5: value "
@@ -425,3 +428,24 @@ def test_rollout_file_round_trip_replays_at_another_world_size(tmp_path):
         assert torch.equal(replay.shard(batch[li], seq1, configs[li], inputs=inputs), ref)
     with pytest.raises(ValueError, match="indexer_topk: expected a multiple of num_layers x index_topk = 32 values"):
         rollout.from_sglang(np.zeros(33, dtype=np.int32), num_layers=2, index_topk=TOPK)
+
+
+def test_replay_report_table_json_and_plot(tmp_path):
+    from sp_kpool.parity.report import replay_table, write_replay_outputs
+
+    x = _problem()
+    config = CONFIGS[0]
+    ref, seq1 = _world1(x, config)
+    toks = replay.documents(ref, seq1)
+    same = replay.compare(replay.shard(toks, seq1, config, missing="fail"), ref, seq1)
+    chosen = {int(v) // K for v in toks[2][40, :TOPK]}
+    free = next(p for p in range(41 // K) if p not in chosen)
+    toks[2][40, :K] = free * K + torch.arange(K)  # one pool swapped for another visible one
+    other = replay.compare(replay.shard(toks, seq1, config, missing="fail"), ref, seq1)
+    table = replay_table([same, other])
+    assert table.splitlines()[0].split()[:3] == ["layer", "rows", "differing"]
+    assert other["rows_differing"] == 1 and "doc 2 row 40 (stream 82)" in table, table
+    written = write_replay_outputs([same, other], tmp_path)
+    assert [p.name for p in written] == ["replay.json", "replay.txt", "replay_layers.png"]
+    assert json.loads(written[0].read_text())[0]["rows_differing"] == 0
+    assert written[2].stat().st_size > 1000
