@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     config = KPoolConfig(topk=T, kpool=K)
     pools = random_capture(n, T, K)
     caps = {
-        "pools": [pools.to(torch.int16 if n // K < 2**15 else torch.int32).to(dev)],
+        "pools": [pools.to(torch.int16 if n // K <= 2**15 else torch.int32).to(dev)],
         "tokens": [torch.where(pools[:, :, None] >= 0, pools[:, :, None] * K + torch.arange(K), -1)
                    .reshape(n - 1, T).to(torch.int32).to(dev)],
     }  # fmt: skip

@@ -35,10 +35,11 @@ positions (history ids, and optionally some of the row's own tail ids); with
 
 **Validation** of every replayed row before use (any failure is a ``ValueError`` naming
 the document, the row, the capture's column and the value, raised alike on every rank
-through the operator's agreement; the rank whose rows are checked first in rank order
-names the error): ids are ``-1`` or ``>= 0`` (inside the row's document); at or before the
-row (tokens) or complete pools ending at or before it (pools); no id twice; the history
-ids come in whole pools (tokens: all ``K`` tokens of a pool); at most ``topk // K`` pools.
+through the operator's agreement: one message naming each failing rank's first problem in
+its rows, in real-row order): ids are ``-1`` or ``>= 0`` (inside the row's document); at or
+before the row (tokens) or complete pools ending at or before it (pools); no id twice; the
+history ids come in whole pools (tokens: all ``K`` tokens of a pool); at most ``topk // K``
+pools.
 
 **Rows not covered** (``missing=``): ``"compute"`` (default) computes them with
 :func:`sp_kpool.kpool_topk` from ``inputs`` (the operator's tensors ``q, k, gates,
