@@ -11,9 +11,15 @@ all-gathered in rank order, then ``index_select(0, kv_reorder_idx)``
 (:func:`~sp_kpool.integrations.megatron.key_reorder`). Also the non-packed zigzag
 (``packed_seq_params=None, seq_len=``). Prints ``PASS``/``FAIL``; exits non-zero on failure.
 
+``--replay``: the RL variant. The world-size-1 ids become what a rollout engine returns per
+request (request-local token positions of every real sequence, without the last token's
+row); every rank replays them with :func:`~sp_kpool.integrations.megatron.replayed_ids` (the
+uncovered rows computed) and checks them against the computed ids bit for bit and with
+:func:`sp_kpool.replay.compare` (no row differs, totals over the ranks).
+
 Megatron is not needed: ``PackedSeqParams``' fields are given in a ``SimpleNamespace`` (the
 adapter reads attributes only). Run: ``python examples/megatron_cp.py [--world-size 2..4]
-[--device cuda]``.
+[--device cuda] [--replay]``.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from sp_kpool import kpool_topk  # noqa: E402
-from sp_kpool.integrations.megatron import key_reorder, sharded_sequence  # noqa: E402
+from sp_kpool import kpool_topk, replay  # noqa: E402
+from sp_kpool.integrations.megatron import key_reorder, replayed_ids, sharded_sequence  # noqa: E402
 from sp_kpool.testing.dist import device_flag, run_ranks  # noqa: E402
 
 SEQS = [37, 5, 64, 1, 22]  # real lengths of the packed sequences
@@ -45,7 +51,7 @@ def packed_seq_params(lengths, cp_size):
                            cu_seqlens_kv_padded=cu_pad)  # fmt: skip
 
 
-def check(seq, world1, dev, seed, fault):
+def check(seq, world1, dev, seed, fault, replayed=False):
     import torch.distributed as dist
 
     total = world1.total_length
@@ -56,8 +62,15 @@ def check(seq, world1, dev, seed, fault):
     w = torch.randn(total, H, generator=g).to(dev)
     ape = torch.randn(K, D, generator=g).to(dev, torch.bfloat16)
     pos = seq.positions.to(dev)  # this rank's THD rows
-    ids = kpool_topk(q[pos], k[pos], gates[pos], w[pos], ape, seq, topk=TOPK, kpool=K)  # local rows in, local ids out
     ref = kpool_topk(q, k, gates, w, ape, world1, topk=TOPK, kpool=K)
+    computed = kpool_topk(q[pos], k[pos], gates[pos], w[pos], ape, seq, topk=TOPK, kpool=K)  # local rows in and out
+    ids = computed
+    agree = True
+    if replayed:  # the rollout's per-request capture (no row for each sequence's last token)
+        capture = [d[:-1] for d in replay.documents(ref, world1)]
+        inputs = dict(q=q[pos], k=k[pos], gates=gates[pos], head_weights=w[pos], ape=ape)
+        ids = replayed_ids(capture, seq, topk=TOPK, kpool=K, inputs=inputs)
+        agree = replay.compare(ids, computed, seq)["rows_differing"] == 0
     if fault:
         ids = ids.clone()
         ids[-1, 0] = (ids[-1, 0] + 1) % total
@@ -69,10 +82,10 @@ def check(seq, world1, dev, seed, fault):
     reordered = torch.cat(parts).index_select(0, key_reorder(seq).to(dev))
     valid = ids >= 0
     indexes_reordered = torch.equal(reordered[ids[valid].long()], k[ids[valid].long()])
-    return same and indexes_reordered
+    return same and indexes_reordered and agree
 
 
-def rank_main(rank, world_size, device, inject_fault):
+def rank_main(rank, world_size, device, inject_fault, replayed=False):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -80,9 +93,10 @@ def rank_main(rank, world_size, device, inject_fault):
     cp_group = dist.new_group(list(range(world_size)))
     p = packed_seq_params(SEQS, world_size)
     packed = check(sharded_sequence(p, cp_group), sharded_sequence(p, world_size=1), dev, 0,
-                   inject_fault and rank == 0)  # fmt: skip
+                   inject_fault and rank == 0, replayed)  # fmt: skip
     S = 16 * world_size
-    nonpacked = check(sharded_sequence(None, cp_group, seq_len=S), sharded_sequence(None, seq_len=S), dev, 1, False)
+    nonpacked = check(sharded_sequence(None, cp_group, seq_len=S), sharded_sequence(None, seq_len=S), dev, 1, False,
+                      replayed)  # fmt: skip
     return packed, nonpacked
 
 
@@ -91,13 +105,16 @@ def main(argv=None):
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--device", type=device_flag(), default="cpu", help="cpu or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--inject-fault", action="store_true", help="corrupt one id (the self-check must FAIL)")
+    ap.add_argument("--replay", action="store_true", help="replay the rollout's selection instead of computing it")
     args = ap.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    results = run_ranks(rank_main, args.world_size, (args.device, args.inject_fault), backend=backend, timeout=300)
+    results = run_ranks(rank_main, args.world_size, (args.device, args.inject_fault, args.replay), backend=backend,
+                        timeout=300)  # fmt: skip
     for rank, (packed, nonpacked) in enumerate(results):
         print(f"rank {rank}: packed THD {'PASS' if packed else 'FAIL'}, non-packed {'PASS' if nonpacked else 'FAIL'}")
     ok = all(a and b for a, b in results)
-    print(f"megatron_cp world_size={args.world_size} device={args.device}: {'PASS' if ok else 'FAIL'}")
+    name = "megatron_cp --replay" if args.replay else "megatron_cp"
+    print(f"{name} world_size={args.world_size} device={args.device}: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 

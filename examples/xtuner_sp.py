@@ -16,7 +16,12 @@ adapter reads attributes only). In XTuner itself the call is the one
                                   index_head_dim=..., index_topk=..., index_kpool=...,
                                   always_select_tail=..., alignment=..., query_chunk_size=...)
 
-Run: ``python examples/xtuner_sp.py [--world-size 2..4] [--device cuda]``.
+``--replay``: the RL variant. Every rank turns the world-size-1 ids into what a rollout engine
+returns per request (request-local token positions, one array per document, without the
+last token's row, which the engine never ran) and passes them as ``replay=``: the replayed
+ids (the uncovered rows computed) must equal the computed ones bit for bit, on every rank.
+
+Run: ``python examples/xtuner_sp.py [--world-size 2..4] [--device cuda] [--replay]``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
+from sp_kpool import ShardedSequence, replay  # noqa: E402
 from sp_kpool.integrations.xtuner import kpool_topk_indices  # noqa: E402
 from sp_kpool.testing.dist import device_flag, run_ranks  # noqa: E402
 
@@ -56,7 +62,14 @@ def split_like_xtuner(docs, world_size):
     return torch.tensor(cu, dtype=torch.int32), padded // world_size
 
 
-def rank_main(rank, world_size, device, inject_fault):
+def rollout_capture(whole, cu):
+    """What the rollout engine returns for each document: request-local positions of every
+    row but the last (one array per document of ``cu``, XTuner's padding document included)."""
+    docs = replay.documents(whole[:, 0], ShardedSequence.split(cu.cpu(), 1, 0))
+    return [d[: max(0, d.shape[0] - 1)] for d in docs]
+
+
+def rank_main(rank, world_size, device, inject_fault, replayed=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -74,8 +87,10 @@ def rank_main(rank, world_size, device, inject_fault):
 
     sl = slice(rank * local, (rank + 1) * local)
     ctx = SequenceContext(cu.to(dev), local, mesh, shard_start=rank * local)
-    ids = kpool_topk_indices(q[:, sl], k[:, sl], gates[:, sl], weights[:, sl], ape, ctx, **kw)
     whole = kpool_topk_indices(q, k, gates, weights, ape, SequenceContext(cu.to(dev), total), **kw)
+    if replayed:  # the rollout's selection replayed on the local rows (uncovered rows computed)
+        kw["replay"] = rollout_capture(whole, cu)
+    ids = kpool_topk_indices(q[:, sl], k[:, sl], gates[:, sl], weights[:, sl], ape, ctx, **kw)
     if inject_fault and rank == world_size - 1:
         ids = ids.clone()
         ids[0, 0, 0] += 1
@@ -89,13 +104,16 @@ def main(argv=None):
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--device", type=device_flag(), default="cpu", help="cpu or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--inject-fault", action="store_true", help="corrupt one id (the self-check must FAIL)")
+    ap.add_argument("--replay", action="store_true", help="replay the rollout's selection instead of computing it")
     args = ap.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    results = run_ranks(rank_main, args.world_size, (args.device, args.inject_fault), backend=backend, timeout=300)
+    results = run_ranks(rank_main, args.world_size, (args.device, args.inject_fault, args.replay), backend=backend,
+                        timeout=300)  # fmt: skip
     for rank, (ok, shape) in enumerate(results):
         print(f"rank {rank}: ids {shape} {'PASS' if ok else 'FAIL'} (vs world size 1)")
     ok = all(r[0] for r in results)
-    print(f"xtuner_sp world_size={args.world_size} device={args.device}: {'PASS' if ok else 'FAIL'}")
+    name = "xtuner_sp --replay" if args.replay else "xtuner_sp"
+    print(f"{name} world_size={args.world_size} device={args.device}: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 

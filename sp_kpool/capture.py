@@ -153,8 +153,6 @@ def write_capture(
     tensors; ``meta`` holds the remaining metadata (options, precision, backend, ...).
     Tensors are copied to the CPU. Returns the path written.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     missing = [n for n in PARAM_NAMES if n not in params]
     if missing:
@@ -187,9 +185,18 @@ def write_capture(
         **meta,
         "crc32": json.dumps({k: _crc32(v) for k, v in tensors.items()}, sort_keys=True),
     }
+    return save_atomic(path, tensors, full)
+
+
+def save_atomic(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+    """Write ``tensors`` and ``metadata`` (values as ``str``) to a ``safetensors`` file
+    atomically: a temporary name in the same directory, then ``os.replace``. Returns the path."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={k: str(v) for k, v in full.items()})
+    save_file(tensors, str(tmp), metadata={k: str(v) for k, v in metadata.items()})
     os.replace(tmp, path)
     return path
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from . import capture as _capture_mod
 from . import pipeline
-from .checks import check_int
+from .checks import check_choice, check_int
 from .config import KPoolConfig, RunOptions
 from .precision import SERVING_PRECISIONS, resolve_precision
 from .settings import Settings, current_settings
@@ -54,6 +54,13 @@ class KPoolIndexer(nn.Module):
         device, dtype: of the parameters; ``weights_proj.weight`` and ``k_norm`` are stored
             in FP32 whatever ``dtype`` (as serving builds them; ``module.to(dtype)`` keeps
             them FP32), and ``bf16`` computes with them in the module dtype.
+        mode: ``"compute"`` (default): compute the selection; ``"replay"``: return the
+            rollout's selection passed per call (``forward(..., replay=captured)``, see
+            :func:`sp_kpool.replay.shard`) instead of computing it; ``"verify"``: compute
+            both, return the replayed one and record their comparison
+            (:func:`sp_kpool.replay.compare`) in ``last_comparison``.
+        replay_ids, replay_missing: ``ids=`` and ``missing=`` of :func:`sp_kpool.replay.shard`
+            (``"tokens"``, ``"compute"``: rows the capture does not cover are computed).
         capture_dir: record the inputs of the first forward call(s) to ``safetensors`` files
             in this directory, one per rank (default ``settings.capture_dir``,
             ``$SP_KPOOL_CAPTURE_DIR``; unset: no capture), created and checked for writing
@@ -89,6 +96,9 @@ class KPoolIndexer(nn.Module):
         dtype: torch.dtype | None = None,
         capture_dir: str | None = None,
         settings: Settings | None = None,
+        mode: str = "compute",
+        replay_ids: str = "tokens",
+        replay_missing: str = "compute",
     ) -> None:
         super().__init__()
         hidden_size, q_lora_rank, index_n_heads, index_head_dim, index_topk, index_kpool = (
@@ -127,6 +137,16 @@ class KPoolIndexer(nn.Module):
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(index_head_dim, hidden_size, **fk))
         self.requires_grad_(False)
         self._capture = _capture_mod.hook_for(capture_dir, self.settings)  # None: no capture, no cost
+        from . import replay as _replay
+
+        self.mode = check_choice("mode", mode, self.MODES)
+        self.replay_ids = check_choice("replay_ids", replay_ids, _replay.IDS)
+        self.replay_missing = check_choice("replay_missing", replay_missing, _replay.MISSING)
+        #: ``mode="verify"``: the last call's :func:`sp_kpool.replay.compare` report
+        self.last_comparison: dict | None = None
+
+    #: ``mode=``: compute the selection, replay the rollout's, or both (returning the replayed one)
+    MODES = ("compute", "replay", "verify")
 
     #: Parameters kept in FP32 by ``module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` (device
     #: moves still apply): serving's head gate and key norm weights.
@@ -206,14 +226,23 @@ class KPoolIndexer(nn.Module):
         return {"q": q, "k": k, "gates": gates, "head_weights": w, "ape": self.index_kpool_compress_ape}
 
     @torch.no_grad()
-    def forward(self, hidden: torch.Tensor, q_resid: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, q_resid: torch.Tensor, seq: ShardedSequence, replay=None) -> torch.Tensor:
         """Selected global token ids ``[S_local, align(T + K - 1, alignment)]`` int32, ``-1`` unused.
 
         ``hidden`` ``[S_local, hidden_size]`` and ``q_resid`` ``[S_local, q_lora_rank]`` are
         this rank's rows of the packed sequence described by ``seq``. Bad input on any rank
         (here or in ``kpool_topk``) makes every rank raise the same error, before any data
-        moves.
+        moves. ``replay``: this layer's rollout selection (``mode="replay"`` or ``"verify"``;
+        one ``[T_d, W_d]`` array per real document, :func:`sp_kpool.replay.shard`).
         """
+        if self.mode == "compute" and replay is not None:
+            pipeline.fail_on_every_rank(seq, TypeError("replay: given, but the module's mode is 'compute' (set "
+                                                       "mode='replay' or 'verify')"), self.settings)  # fmt: skip
+        if self.mode != "compute":
+            return self._replayed(hidden, q_resid, seq, replay)
+        return self._computed(hidden, q_resid, seq)
+
+    def _computed(self, hidden: torch.Tensor, q_resid: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
         try:
             config = self.config.replace(precision=resolve_precision(self.precision, self.settings))  # one resolution
             prepared = self.prepare(hidden, q_resid, config.precision)
@@ -222,4 +251,20 @@ class KPoolIndexer(nn.Module):
         ids = pipeline.run(**prepared, seq=seq, config=config, options=self.options, settings=self.settings)
         if self._capture is not None:  # after the result: capturing never changes it
             self._capture(self, hidden, q_resid, seq, config, prepared, ids)
+        return ids
+
+    def _replayed(self, hidden: torch.Tensor, q_resid: torch.Tensor, seq: ShardedSequence, captured) -> torch.Tensor:
+        """``mode="replay"``/``"verify"``: the replayed ids (rows not covered as ``replay_missing``
+        says; the projections run only when a row must be computed)."""
+        from . import replay as _replay
+
+        def inputs():
+            return self.prepare(hidden, q_resid, resolve_precision(self.precision, self.settings))
+
+        ids = _replay.shard(captured, seq, self.config, ids=self.replay_ids, missing=self.replay_missing,
+                            inputs=inputs, options=self.options, settings=self.settings,
+                            device=hidden.device if isinstance(hidden, torch.Tensor) else None)  # fmt: skip
+        if self.mode == "verify":
+            computed = self._computed(hidden, q_resid, seq)
+            self.last_comparison = _replay.compare(ids, computed, seq, settings=self.settings)
         return ids

@@ -57,7 +57,7 @@ from ..checks import check_int
 from ..layouts import zigzag_chunks
 from ..sharding import ShardedSequence
 
-__all__ = ["sharded_sequence", "key_reorder", "gathered_ids"]
+__all__ = ["sharded_sequence", "key_reorder", "gathered_ids", "replayed_ids"]
 
 
 def _cu(name: str, value: Any) -> torch.Tensor:
@@ -220,3 +220,20 @@ def gathered_ids(seq: ShardedSequence, ids: torch.Tensor) -> torch.Tensor:
     table = inverse.to(ids.device)
     flat = ids.to(torch.int64)
     return torch.where(flat >= 0, table[flat.clamp(min=0)], flat).to(ids.dtype)
+
+
+def replayed_ids(captured, seq: ShardedSequence, config=None, **keywords) -> torch.Tensor:
+    """The rollout's selection of one layer as this CP rank's ``[sq, width]`` int32 ids, laid
+    out as :func:`sp_kpool.kpool_topk` returns them for ``seq`` (stream ids: they index the
+    reordered K/V, as computed ids do; ``.unsqueeze(0)`` for ``topk_indices``).
+
+    ``captured``: one ``[T_d, W_d]`` array per **real** sequence (``cu_seqlens_q``'s; the THD
+    padding of ``cu_seqlens_q_padded`` is no document of the capture), request-local token
+    positions (or pool ids with ``ids="pools"``), as SGLang returns them per request.
+    ``keywords``: those of :func:`sp_kpool.replay.shard` (``topk``, ``kpool``, ``missing``,
+    ``inputs`` = the local ``q, k, gates, head_weights, ape`` for rows the capture does not
+    cover, ...).
+    """
+    from ..replay import shard
+
+    return shard(captured, seq, config, **keywords)

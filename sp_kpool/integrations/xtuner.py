@@ -171,6 +171,9 @@ def kpool_topk_indices(
     always_select_tail: bool = True,
     alignment: int = 512,
     query_chunk_size: int | None = None,
+    replay: Any = None,
+    replay_ids: str = "tokens",
+    replay_missing: str = "compute",
     **options: Any,
 ) -> torch.Tensor:
     """XTuner's ``kpool_topk_indices``, computed by :func:`sp_kpool.kpool_topk`.
@@ -200,6 +203,14 @@ def kpool_topk_indices(
     (``backend``, ``gather``, ``balance``, ``max_logits_bytes``, ``order`` (default ``"score"``:
     best first, ties toward the lower pool id), ...).
 
+    ``replay``: the rollout's selection of this layer (one ``[T_d, W_d]`` array per real
+    document, request-local token positions, or pool ids with ``replay_ids="pools"``):
+    returned in the same layout instead of computed (:func:`sp_kpool.replay.shard`; rows
+    the capture does not cover as ``replay_missing`` says, computed by default). One array
+    per document of ``cu_seq_lens_q``: XTuner's padding document (appended by
+    ``SequenceContext.split``) is a document like the others, give it an empty ``[0, W]``
+    array (its rows are then computed, as XTuner computes them, or get only their tail).
+
     Raises ``ValueError``/``TypeError`` naming the argument (XTuner's names) or the
     ``SequenceContext`` field (:func:`from_sequence_context`).
     """
@@ -221,8 +232,16 @@ def kpool_topk_indices(
         raise ValueError(f"index_topk: expected a multiple of index_kpool = {index_kpool}, got {index_topk}")
     seq = _cached_sequence(seq_ctx, S)
     options.setdefault("order", "score")
-    ids = kpool_topk(q[0], k[0], gate_scores[0], weights[0], kpool_ape, seq, topk=int(index_topk),
-                     kpool=int(index_kpool), tail="fixed", alignment=int(alignment), **options)  # fmt: skip
+    if replay is not None:
+        from ..replay import shard
+
+        inputs = {"q": q[0], "k": k[0], "gates": gate_scores[0], "head_weights": weights[0], "ape": kpool_ape}
+        ids = shard(replay, seq, topk=int(index_topk), kpool=int(index_kpool),
+                    tail="fixed", alignment=int(alignment), ids=replay_ids, missing=replay_missing,
+                    inputs=inputs, device=q.device, **options)  # fmt: skip
+    else:
+        ids = kpool_topk(q[0], k[0], gate_scores[0], weights[0], kpool_ape, seq, topk=int(index_topk),
+                         kpool=int(index_kpool), tail="fixed", alignment=int(alignment), **options)  # fmt: skip
     if not always_select_tail:
         ids[:, int(index_topk) : int(index_topk) + int(index_kpool) - 1] = -1
     return ids.unsqueeze(1)

@@ -1,7 +1,9 @@
 """The report of a parity replay: the text table, ``parity.json``, ``parity.txt`` and plots.
 
 Outputs: :func:`format_table`, a JSON-ready dict, and two PNG plots (per-query Jaccard
-overlap vs position; histogram of ``log10 |A - B|`` over valid score slots).
+overlap vs position; histogram of ``log10 |A - B|`` over valid score slots). For replayed
+rollout selections, :func:`write_replay_outputs` writes the per-layer reports of
+:func:`sp_kpool.replay.compare` as ``replay.json``, ``replay.txt`` and a PNG per layer.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "write_outputs"]
+__all__ = ["format_table", "write_outputs", "replay_table", "write_replay_outputs"]
 
 
 def _g(x: Any) -> str:
@@ -194,3 +196,48 @@ def _plots(report: dict[str, Any], out: Path) -> list[Path]:
     fig.savefig(p2, dpi=120)
     plt.close(fig)
     return [p1, p2]
+
+
+def replay_table(layers: list[dict[str, Any]]) -> str:
+    """Per-layer :func:`sp_kpool.replay.compare` reports as an aligned text table."""
+    head = ("layer", "rows", "differing", "fraction", "jaccard mean", "jaccard min", "near ties", "first difference")
+    rows = [head]
+    for i, r in enumerate(layers):
+        f = r.get("first_difference")
+        first = "-" if f is None else f"doc {f['document']} row {f['row']} (stream {f['stream_position']})"
+        rows.append((str(i), _g(r["rows"]), _g(r["rows_differing"]), _g(float(r["fraction_differing"])),
+                     _g(float(r["jaccard_mean"])), _g(float(r["jaccard_min"])), _g(r.get("rows_near_ties")), first))  # fmt: skip
+    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def write_replay_outputs(layers: list[dict[str, Any]], out_dir: str | os.PathLike, *, plots: bool = True) -> list[Path]:
+    """Write ``replay.json`` (the list), ``replay.txt`` (:func:`replay_table`) and, with
+    matplotlib, ``replay_layers.png`` (fraction of rows differing and mean Jaccard per layer)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "replay.json", out / "replay.txt"]
+    written[0].write_text(json.dumps(_jsonable(layers), indent=1) + "\n")
+    written[1].write_text(replay_table(layers) + "\n")
+    if plots:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("the replay plot needs matplotlib (pip install matplotlib)") from None
+        x = list(range(len(layers)))
+        fig, ax = plt.subplots(figsize=(9, 4))
+        ax.plot(x, [r["fraction_differing"] for r in layers], "o-", label="fraction of rows differing")
+        ax.plot(x, [r["jaccard_mean"] for r in layers], "s-", label="mean Jaccard")
+        ax.set_xlabel("layer")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=8)
+        ax.set_title("replayed (rollout) vs computed selections", fontsize=9)
+        fig.tight_layout()
+        p = out / "replay_layers.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        written.append(p)
+    return written

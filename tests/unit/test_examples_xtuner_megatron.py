@@ -38,3 +38,16 @@ def test_example_self_check_can_fail(script, name):
     out = _run(script, "--world-size", "2", "--inject-fault")
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"{name} world_size=2 device=cpu: FAIL" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("script, name, world_size", [
+    ("xtuner_sp.py", "xtuner_sp --replay", 4), ("megatron_cp.py", "megatron_cp --replay", 2),
+])  # fmt: skip
+def test_example_replay_variant_passes_and_can_fail(script, name, world_size):
+    out = _run(script, "--world-size", str(world_size), "--replay")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"{name} world_size={world_size} device=cpu: PASS" in out.stdout, out.stdout
+    assert "FAIL" not in out.stdout, out.stdout
+    out = _run(script, "--world-size", "2", "--replay", "--inject-fault")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"{name} world_size=2 device=cpu: FAIL" in out.stdout, out.stdout
