@@ -215,59 +215,60 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
     p_start = (lo // BP) * BP
     if hi <= lo:
         p_start = hi
-    for p0 in range(p_start, hi, BP):
-        p = p0 + bp
-        pm = (p >= lo) & (p < hi)
-        kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
-        scale = tl.load(KS + p, mask=pm, other=0.0)
-        if ONE_DOT:
-            acc = tl.dot(kv, qt)  # [BP, BQ H]
-            acc = tl.permute(tl.reshape(acc, [BP, BQ, H // 8, 4, 2]), [0, 1, 3, 4, 2])  # [BP, BQ, 4, 2, NM]
-            c = tl.reshape(_chain(acc, wt, BP, BQ, H // 8), [BP, BQ * 8])
-        else:
-            q0 = tl.load(qcol[None, :] + d[:, None], mask=nok[None, :], other=0.0)
-            q1 = tl.load(qcol[None, :] + 8 * sq_h + d[:, None], mask=nok[None, :], other=0.0)
-            a0 = tl.dot(kv, q0)
-            a1 = tl.dot(kv, q1)
-            w0 = tl.load(wcol, mask=nok, other=0.0)
-            w1 = tl.load(wcol + 8, mask=nok, other=0.0)
-            r0 = tl.where(a0 > 0, a0, 0.0)
-            r1 = tl.where(a1 > 0, a1, 0.0)
-            c = tl.fma(r0, w0[None, :], r1 * w1[None, :])
-            for m in tl.static_range(2, H // 8):
-                qm = tl.load(qcol[None, :] + (8 * m) * sq_h + d[:, None], mask=nok[None, :], other=0.0)
-                am = tl.dot(kv, qm)
-                wm = tl.load(wcol + 8 * m, mask=nok, other=0.0)
-                c = tl.fma(tl.where(am > 0, am, 0.0), wm[None, :], c)
-        # j = 2 q + b: the pairs of chains, the scale, the butterfly (P0 + P1) + (P2 + P3)
-        c0, c1 = tl.split(tl.reshape(c, [BP, BQ, 4, 2]))
-        part = (c0 + c1) * scale[:, None, None]
-        pa, pb = tl.split(tl.reshape(part, [BP, BQ, 2, 2]))
-        x, y = tl.split(pa + pb)
-        logit = x + y  # [BP, BQ]
-        vis = (p[:, None] >= ks[None, :]) & (p[:, None] < ke[None, :])
-        if DENSE:
-            dst = Logits + rows.to(tl.int64)[None, :] * sl_r + p[:, None]
-            tl.store(dst, logit, mask=vis)
-        else:
-            key = row_keys(logit, vis)
-            take = key > tau[None, :]
-            # a slot per passing cell: one relaxed atomic each (no scan, no barrier per block)
-            pos = tl.atomic_add(crow[None, :] + tl.zeros((BP, BQ), tl.int32), 1, mask=take, sem="relaxed")
-            tl.store(BufK + slot[None, :] + pos, key, mask=take)
-            tl.store(BufI + slot[None, :] + pos, p[:, None] + tl.zeros((BP, BQ), tl.int32), mask=take)
-            if (p0 - p_start) // BP % CHECK == CHECK - 1:  # every CHECK blocks: compact full buffers
-                tl.debug_barrier()
-                cnt = tl.load(crow, volatile=True)
-                for i in tl.static_range(BQ):
-                    ci = tl.sum(tl.where(iq == i, cnt, 0))
-                    if ci > CAP - CHECK * BP:  # the next CHECK blocks could overflow it
-                        si = (pid * BQ + i).to(tl.int64) * CAP
-                        kept, t = _compact(BufK + si, BufI + si, ci, k, CAP)
-                        tl.store(Cnt + pid * BQ + i, kept)
-                        dropped = tl.where(iq == i, dropped + ci - kept, dropped)
-                        tau = tl.where(iq == i, t, tau)
-                tl.debug_barrier()
+    for s0 in range(p_start, hi, CHECK * BP):  # super-blocks: the inner loop has no barrier (pipelined)
+        for p0 in range(s0, tl.minimum(s0 + CHECK * BP, hi), BP):
+            p = p0 + bp
+            pm = (p >= lo) & (p < hi)
+            kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
+            scale = tl.load(KS + p, mask=pm, other=0.0)
+            if ONE_DOT:
+                acc = tl.dot(kv, qt)  # [BP, BQ H]
+                acc = tl.permute(tl.reshape(acc, [BP, BQ, H // 8, 4, 2]), [0, 1, 3, 4, 2])  # [BP, BQ, 4, 2, NM]
+                c = tl.reshape(_chain(acc, wt, BP, BQ, H // 8), [BP, BQ * 8])
+            else:
+                q0 = tl.load(qcol[None, :] + d[:, None], mask=nok[None, :], other=0.0)
+                q1 = tl.load(qcol[None, :] + 8 * sq_h + d[:, None], mask=nok[None, :], other=0.0)
+                a0 = tl.dot(kv, q0)
+                a1 = tl.dot(kv, q1)
+                w0 = tl.load(wcol, mask=nok, other=0.0)
+                w1 = tl.load(wcol + 8, mask=nok, other=0.0)
+                r0 = tl.where(a0 > 0, a0, 0.0)
+                r1 = tl.where(a1 > 0, a1, 0.0)
+                c = tl.fma(r0, w0[None, :], r1 * w1[None, :])
+                for m in tl.static_range(2, H // 8):
+                    qm = tl.load(qcol[None, :] + (8 * m) * sq_h + d[:, None], mask=nok[None, :], other=0.0)
+                    am = tl.dot(kv, qm)
+                    wm = tl.load(wcol + 8 * m, mask=nok, other=0.0)
+                    c = tl.fma(tl.where(am > 0, am, 0.0), wm[None, :], c)
+            # j = 2 q + b: the pairs of chains, the scale, the butterfly (P0 + P1) + (P2 + P3)
+            c0, c1 = tl.split(tl.reshape(c, [BP, BQ, 4, 2]))
+            part = (c0 + c1) * scale[:, None, None]
+            pa, pb = tl.split(tl.reshape(part, [BP, BQ, 2, 2]))
+            x, y = tl.split(pa + pb)
+            logit = x + y  # [BP, BQ]
+            vis = (p[:, None] >= ks[None, :]) & (p[:, None] < ke[None, :])
+            if DENSE:
+                dst = Logits + rows.to(tl.int64)[None, :] * sl_r + p[:, None]
+                tl.store(dst, logit, mask=vis)
+            else:
+                key = row_keys(logit, vis)
+                take = key > tau[None, :]
+                # a slot per passing cell: one relaxed atomic each (no scan, no barrier per block)
+                pos = tl.atomic_add(crow[None, :] + tl.zeros((BP, BQ), tl.int32), 1, mask=take, sem="relaxed")
+                tl.store(BufK + slot[None, :] + pos, key, mask=take)
+                tl.store(BufI + slot[None, :] + pos, p[:, None] + tl.zeros((BP, BQ), tl.int32), mask=take)
+        if not DENSE:  # every CHECK blocks: compact the buffers the next CHECK blocks could overflow
+            tl.debug_barrier()
+            cnt = tl.load(crow, volatile=True)
+            for i in tl.static_range(BQ):
+                ci = tl.sum(tl.where(iq == i, cnt, 0))
+                if ci > CAP - CHECK * BP:  # the next CHECK blocks could overflow it
+                    si = (pid * BQ + i).to(tl.int64) * CAP
+                    kept, t = _compact(BufK + si, BufI + si, ci, k, CAP)
+                    tl.store(Cnt + pid * BQ + i, kept)
+                    dropped = tl.where(iq == i, dropped + ci - kept, dropped)
+                    tau = tl.where(iq == i, t, tau)
+            tl.debug_barrier()
     if not DENSE:
         tl.debug_barrier()
         kofs = tl.arange(0, KP)

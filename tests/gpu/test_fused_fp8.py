@@ -93,7 +93,7 @@ CALLS = [dict(total=16384, lengths=None), dict(total=8195, lengths=[4000, 3, 419
 
 
 @pytest.mark.parametrize("case", CALLS, ids=["one-doc", "packed", "64x2048"])
-@pytest.mark.parametrize("H", [32, 64, 128])
+@pytest.mark.parametrize("H", [32, 64])  # the deepgemm backend (DeepGEMM 2.5 has no H 128)
 def test_whole_call_fused_equals_dense_path(H, case):
     p = rank_slice_problem(case["total"], 4, 3, heads=H, head_dim=128, precision="fp8", lengths=case["lengths"],
                            device="cuda")  # fmt: skip
