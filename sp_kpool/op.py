@@ -10,8 +10,8 @@ does not recompile. The collectives (the agreement, the gathers, the balance's e
 run inside the operator, eagerly, exactly as in an eager call: the ids are the eager ids.
 
 A ``ShardedSequence`` (and its process group) cannot be an operator argument. The operator
-takes its **tensors** (``cu_seq_lens``, the padding documents, the prompt lengths and, in
-the interleaved layouts, every rank's positions: CPU int64, shapes dynamic) and its
+takes its **tensors** (one table of ``cu_seq_lens``, the padding documents and the prompt
+lengths, and, in the interleaved layouts, every rank's positions: CPU int64, shapes dynamic) and its
 **constants** (world size, rank, layout and the process group's **name**, resolved inside as
 ``torch.distributed``'s functional collectives resolve theirs). :class:`SequenceArguments`
 holds them; every ``ShardedSequence`` computes its own once, on construction
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple
 
 import torch
 
@@ -49,18 +49,17 @@ OP_NAME = "sp_kpool::kpool_topk"
 class SequenceArguments(NamedTuple):
     """What the custom operator takes of a ``ShardedSequence`` (computed on construction).
 
-    cu_seq_lens: ``[num_docs + 1]`` int64 CPU, the stream's boundaries.
-    padding_docs: ``[n]`` int64 CPU, the indices of the padding documents.
-    prompt_lens: ``[num_real_docs]`` int64 CPU, or ``None``.
+    documents: ``[2, num_docs + 1]`` int64 CPU (``[3, ...]`` with prompt lengths): row 0 the
+        stream's ``cu_seq_lens``; row 1 ``1`` at the padding documents; row 2 the prompt
+        length of each real document (``-1`` at padding documents). One tensor of at least
+        two columns, so that its size stays symbolic (sizes 0 and 1 are specialized).
     rank_positions: every rank's ``[S_r]`` int64 CPU stream positions (empty for the
         contiguous layout, whose shards follow from ``cu_seq_lens`` and the world size).
     world_size, rank: of the sequence. group_name: the process group's name (``""``: the
         default group, or none at world size 1). layout: the layout's name.
     """
 
-    cu_seq_lens: torch.Tensor
-    padding_docs: torch.Tensor
-    prompt_lens: Optional[torch.Tensor]
+    documents: torch.Tensor
     rank_positions: tuple
     world_size: int
     rank: int
@@ -84,11 +83,17 @@ def _group_name(group: Any) -> str:
 
 def sequence_arguments(seq: Any) -> SequenceArguments:
     """The :class:`SequenceArguments` of ``seq`` (no communication)."""
-    i64 = torch.int64
+    cu = seq.cu_seq_lens
+    n_docs = cu.numel() - 1
+    rows = [cu.to(torch.int64), torch.zeros(n_docs + 1, dtype=torch.int64)]
+    rows[1][list(seq.padding_docs or ())] = 1
+    if seq.prompt_lens is not None:
+        prompts = torch.full((n_docs + 1,), -1, dtype=torch.int64)
+        real = [d for d in range(n_docs) if d not in set(seq.padding_docs or ())]
+        prompts[real] = torch.tensor(list(seq.prompt_lens), dtype=torch.int64)
+        rows.append(prompts)
     return SequenceArguments(
-        cu_seq_lens=seq.cu_seq_lens,
-        padding_docs=torch.tensor(list(seq.padding_docs or ()), dtype=i64),
-        prompt_lens=None if seq.prompt_lens is None else torch.tensor(list(seq.prompt_lens), dtype=i64),
+        documents=torch.stack(rows),
         rank_positions=() if seq.layout == "contiguous" else tuple(seq.rank_positions),
         world_size=int(seq.world_size),
         rank=int(seq.rank),
@@ -113,7 +118,7 @@ _SEQS_MAX = 8
 _LOCK = threading.Lock()
 
 
-def _sequence(cu, padding_docs, prompt_lens, rank_positions, world_size, rank, group_name, layout):
+def _sequence(documents, rank_positions, world_size, rank, group_name, layout):
     """The ``ShardedSequence`` of these values (cached: one object, one table cache, per
     sequence; at most :data:`_SEQS_MAX`)."""
     from .sharding import ShardedSequence
@@ -121,25 +126,25 @@ def _sequence(cu, padding_docs, prompt_lens, rank_positions, world_size, rank, g
     def raw(t):
         return t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
 
-    key = (layout, world_size, rank, group_name, raw(cu), raw(padding_docs),
-           None if prompt_lens is None else raw(prompt_lens),
+    key = (layout, world_size, rank, group_name, tuple(documents.shape), raw(documents),
            tuple(raw(p) for p in rank_positions) if layout == "positions" else len(rank_positions))  # fmt: skip
     with _LOCK:
         seq = _SEQS.get(key)
         if seq is not None:
             _SEQS.move_to_end(key)
             return seq
-    cu = cu.detach().to("cpu", torch.int64)
+    table = documents.detach().to("cpu", torch.int64)
+    cu = table[0].clone()
     stream = cu.tolist()
-    pad = tuple(int(d) for d in padding_docs.tolist())
+    pad = tuple(d for d, p in enumerate(table[1, :-1].tolist()) if p)
+    prompts = None if table.shape[0] < 3 else tuple(p for d, p in enumerate(table[2, :-1].tolist()) if d not in pad)
     num_padding = sum(stream[d + 1] - stream[d] for d in pad)
     positions = None if layout == "contiguous" else tuple(p.detach().to("cpu", torch.int64) for p in rank_positions)
     size = stream[-1] // world_size if positions is None else int(positions[rank].numel())
     seq = ShardedSequence(
         cu_seq_lens=cu, shard_start=rank * size if positions is None else None, shard_size=size, rank=rank,
-        world_size=world_size, group=_resolve_group(group_name), num_padding=num_padding,
-        prompt_lens=None if prompt_lens is None else tuple(prompt_lens.tolist()), layout=layout,
-        padding_docs=pad, rank_positions=positions,
+        world_size=world_size, group=_resolve_group(group_name), num_padding=num_padding, prompt_lens=prompts,
+        layout=layout, padding_docs=pad, rank_positions=positions,
     )  # fmt: skip
     with _LOCK:
         _SEQS[key] = seq
@@ -159,9 +164,7 @@ def _kpool_topk_op(
     gates: torch.Tensor,
     head_weights: torch.Tensor,
     ape: torch.Tensor,
-    cu_seq_lens: torch.Tensor,
-    padding_docs: torch.Tensor,
-    prompt_lens: Optional[torch.Tensor],
+    documents: torch.Tensor,
     rank_positions: List[torch.Tensor],
     world_size: int,
     rank: int,
@@ -188,7 +191,7 @@ def _kpool_topk_op(
 ) -> torch.Tensor:
     from . import pipeline
 
-    seq = _sequence(cu_seq_lens, padding_docs, prompt_lens, rank_positions, world_size, rank, group_name, layout)
+    seq = _sequence(documents, rank_positions, world_size, rank, group_name, layout)
     config = KPoolConfig(topk=topk, kpool=kpool, tail=tail, order=order, alignment=alignment, precision=precision,
                          max_logits_bytes=max_logits_bytes)  # fmt: skip
     options = RunOptions(backend=backend, gather=gather, balance=balance, balance_block=_opt(balance_block),
@@ -200,8 +203,8 @@ def _kpool_topk_op(
 
 
 @_kpool_topk_op.register_fake
-def _kpool_topk_fake(q, k, gates, head_weights, ape, cu_seq_lens, padding_docs, prompt_lens, rank_positions,
-                     world_size, rank, group_name, layout, topk, kpool, tail, order, alignment, *rest):  # fmt: skip
+def _kpool_topk_fake(q, k, gates, head_weights, ape, documents, rank_positions, world_size, rank, group_name, layout,
+                     topk, kpool, tail, order, alignment, *rest):  # fmt: skip
     return q.new_empty((q.shape[0], output_width(topk, kpool, alignment)), dtype=torch.int32)
 
 
@@ -221,8 +224,7 @@ def kpool_topk_traced(q, k, gates, head_weights, ape, seq, config: KPoolConfig, 
     config = config.resolve(settings, q.device)
     check_finite = settings.check_finite if options.check_finite is None else options.check_finite
     return torch.ops.sp_kpool.kpool_topk(
-        q, k, gates, head_weights, ape, args.cu_seq_lens, args.padding_docs, args.prompt_lens,
-        list(args.rank_positions), args.world_size, args.rank, args.group_name, args.layout,
+        q, k, gates, head_weights, ape, args.documents, list(args.rank_positions), args.world_size, args.rank, args.group_name, args.layout,
         config.topk, config.kpool, config.tail, config.order, config.alignment, config.precision,
         config.max_logits_bytes, options.backend, options.gather, options.balance,
         -1 if options.balance_block is None else options.balance_block,
