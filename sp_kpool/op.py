@@ -157,7 +157,18 @@ def _opt(value: int) -> int | None:
     return None if value < 0 else value
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
+def _tags() -> dict:
+    """``cudagraph_unsafe`` where this torch has it (Inductor then leaves the operator out of
+    its CUDA graphs: it reads the host and communicates; README, 'CUDA graphs')."""
+    import inspect
+
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None or "tags" not in inspect.signature(torch.library.custom_op).parameters:
+        return {}
+    return {"tags": (tag,)}
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=(), **_tags())
 def _kpool_topk_op(
     q: torch.Tensor,
     k: torch.Tensor,
