@@ -106,3 +106,14 @@ def test_version_and_describe(monkeypatch):
     versions.clear()
     assert deepgemm_api.installed_version(types.SimpleNamespace(__version__="2.8.0")) == "deep_gemm 2.8.0"
     assert deepgemm_api.installed_version() is None
+
+
+def test_info_prints_the_deepgemm_version_and_api(monkeypatch, capsys):
+    from sp_kpool import cli
+
+    api = deepgemm_api.from_module(fake_deep_gemm("fp8_fp4"))
+    monkeypatch.setattr(deepgemm_api, "detect", lambda: api)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "DeepGEMM: stand-in: API fp8_fp4_mqa_logits (compact columns; the kernel can clean them" in out, out
+    assert "[fp8-torch214] = 2.8.2, pins torch==2.14.0" in out
