@@ -20,8 +20,9 @@ values and kept in a small cache keyed by them, so every layer of one batch reus
 sequence object and with it the pipeline's table cache (``seq.tables``). The call's
 :class:`~sp_kpool.config.KPoolConfig` and :class:`~sp_kpool.config.RunOptions` travel as
 scalars and strings (constants of the graph, the same on every call of a module), with
-``precision``, ``max_logits_bytes`` and ``check_finite`` resolved before the call; the
-settings' other fields too.
+``precision``, ``max_logits_bytes`` and ``check_finite`` resolved before the call, and the
+call's :class:`~sp_kpool.settings.Settings` as the reprs of its fields, one a line (``Settings.op_text``, made on construction; a
+constant too).
 
 Eager calls (outside a trace) keep the direct path of :func:`sp_kpool.pipeline.run`: its
 checks, messages and agreement are unchanged, and a bad argument (``seq`` that is no
@@ -31,6 +32,9 @@ dispatcher's schema check.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
 import threading
 from collections import OrderedDict
 from typing import Any, List, NamedTuple
@@ -153,6 +157,23 @@ def _sequence(documents, rank_positions, world_size, rank, group_name, layout):
     return seq
 
 
+#: The :class:`~sp_kpool.settings.Settings` fields, in the order the operator takes their reprs.
+SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(Settings))
+
+
+def _literal(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):  # inf, nan
+        return float(text)
+
+
+@functools.lru_cache(maxsize=16)
+def _settings(text: str) -> Settings:
+    """The call's :class:`~sp_kpool.settings.Settings` from the reprs of its fields, one a line."""
+    return Settings(**{name: _literal(v) for name, v in zip(SETTINGS_FIELDS, text.split("\n"))})
+
+
 def _opt(value: int) -> int | None:
     return None if value < 0 else value
 
@@ -194,11 +215,7 @@ def _kpool_topk_op(
     balance_block: int,
     balance_row_cost: int,
     check_finite: bool,
-    table_cache: bool,
-    mqa_layout: str,
-    tilelang_config: List[int],
-    comm_timeout: float,
-    env_error: str,
+    settings: str,
 ) -> torch.Tensor:
     from . import pipeline
 
@@ -207,10 +224,7 @@ def _kpool_topk_op(
                          max_logits_bytes=max_logits_bytes)  # fmt: skip
     options = RunOptions(backend=backend, gather=gather, balance=balance, balance_block=_opt(balance_block),
                          balance_row_cost=_opt(balance_row_cost), check_finite=check_finite)  # fmt: skip
-    settings = Settings(precision=precision, max_logits_bytes=max_logits_bytes, table_cache=table_cache,
-                        mqa_layout=mqa_layout or None, tilelang_config=tuple(tilelang_config) or None,
-                        check_finite=check_finite, comm_timeout=comm_timeout, env_error=env_error or None)  # fmt: skip
-    return pipeline.run(q, k, gates, head_weights, ape, seq, config, options, settings=settings)
+    return pipeline.run(q, k, gates, head_weights, ape, seq, config, options, settings=_settings(settings))
 
 
 @_kpool_topk_op.register_fake
@@ -240,6 +254,5 @@ def kpool_topk_traced(q, k, gates, head_weights, ape, seq, config: KPoolConfig, 
         config.max_logits_bytes, options.backend, options.gather, options.balance,
         -1 if options.balance_block is None else options.balance_block,
         -1 if options.balance_row_cost is None else options.balance_row_cost, bool(check_finite),
-        bool(settings.table_cache), settings.mqa_layout or "", list(settings.tilelang_config or ()),
-        float(settings.comm_timeout), settings.env_error or "",
+        settings.op_text,
     )  # fmt: skip

@@ -20,7 +20,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils.checkpoint import checkpoint
 
 import sp_kpool
-from sp_kpool import KPoolIndexer, ShardedSequence
+from sp_kpool import KPoolIndexer, ShardedSequence, op
+from sp_kpool.settings import Settings
 from sp_kpool.testing.dist import run_ranks
 from sp_kpool.testing.problems import make_inputs, shard_inputs
 
@@ -127,9 +128,12 @@ def test_operator_opcheck():
     seq = ShardedSequence.split(x.cu_seq_lens, 1, 0, layout="zigzag")
     a = shard_inputs(x, seq)
     s = seq.op_arguments
+    settings = Settings(comm_timeout=60.0, tilelang_config=(64, 2, 128))
     args = (a["q"], a["k"], a["gates"], a["head_weights"], a["ape"], s.documents, list(s.rank_positions), s.world_size, s.rank, s.group_name, s.layout, 8, 4, "fixed", "ascending", 8,
-            "bf16", 1 << 26, "torch", "keys", "none", -1, -1, False, True, "", [], 60.0, "")  # fmt: skip
+            "bf16", 1 << 26, "torch", "keys", "none", -1, -1, False,
+            "\n".join(repr(getattr(settings, n)) for n in op.SETTINGS_FIELDS))  # fmt: skip
     torch.library.opcheck(torch.ops.sp_kpool.kpool_topk.default, args)
+    assert op._settings(args[-1]) == settings  # every field crosses, by its repr
     got = torch.ops.sp_kpool.kpool_topk(*args)
     assert torch.equal(got, sp_kpool.kpool_topk(**a, seq=seq, topk=8, alignment=8))
 
