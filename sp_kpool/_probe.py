@@ -11,7 +11,8 @@ __all__ = ["probe", "cuda_reason"]
 _EXTRAS = {
     "tilelang": "pip install 'sp-kpool[tilelang]'",
     "triton": "pip install triton (ships with CUDA builds of torch)",
-    "deep_gemm": "pip install 'sp-kpool[fp8]' (tokenspeed-deepgemm)",
+    "deep_gemm": "pip install 'sp-kpool[fp8]' (tokenspeed-deepgemm 2.5, torch 2.11) or 'sp-kpool[fp8-torch214]' "
+                 "(2.8.2, torch 2.14.0)",
     "lmdeploy.pytorch.kernels.cuda.sparse_index_topk": "pip install 'sp-kpool[serving]' (lmdeploy)",
 }
 

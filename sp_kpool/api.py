@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from . import op as _op
 from . import pipeline
-from .config import BALANCES, GATHERS, KPoolConfig, RunOptions
-from .settings import Settings
+from .config import BALANCES, GATHERS, KPoolConfig, RunOptions, split_keywords
+from .settings import Settings, current_settings
 from .sharding import ShardedSequence
 
 __all__ = ["kpool_topk", "GATHERS", "BALANCES"]
@@ -127,6 +128,17 @@ def kpool_topk(
     size 1, the same message, naming the ranks and their values), before any data moves
     (:func:`sp_kpool.agreement.validate_and_agree`). The agreement waits at most
     ``settings.comm_timeout`` seconds for the other ranks (``TimeoutError``).
+
+    Under ``torch.compile`` the call is one opaque custom operator,
+    ``torch.ops.sp_kpool.kpool_topk`` (:mod:`sp_kpool.op`): ``fullgraph=True`` works, dynamic
+    shapes do not recompile per sequence, and the ids equal the eager call's (``stats`` is
+    eager only).
     """
+    if _op.is_traced():  # torch.compile: one opaque custom operator (sp_kpool.op)
+        if stats is not None:
+            raise ValueError("stats: not available under torch.compile (the operator is opaque); call eagerly")
+        config, options = split_keywords(config, options, keywords)
+        return _op.kpool_topk_traced(q, k, gates, head_weights, ape, seq, config, options,
+                                     settings if settings is not None else current_settings())  # fmt: skip
     return pipeline.run(q, k, gates, head_weights, ape, seq, config, options, keywords=keywords, settings=settings,
                         stats=stats)

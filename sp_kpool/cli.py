@@ -115,6 +115,11 @@ def _cmd_info(args) -> int:
     for mod in ("triton", "tilelang", "deep_gemm", "lmdeploy.pytorch.kernels.cuda.sparse_index_topk"):
         m, why = probe(mod)
         print(f"  {mod:<50} {'importable ' + str(getattr(m, '__version__', '')) if m is not None else why}")
+    from .backends import deepgemm_api
+
+    print(f"DeepGEMM: {deepgemm_api.describe()}")
+    print("  (extras: [fp8] = tokenspeed-deepgemm 2.5.x, no torch pin, imports with torch 2.11; "
+          "[fp8-torch214] = 2.8.2, pins torch==2.14.0)")
     return 0
 
 

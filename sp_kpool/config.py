@@ -29,8 +29,12 @@ __all__ = [
 #: after the valid history (``compact``, as serving lays it out).
 TAILS = ("fixed", "compact")
 #: ``order=``: selected pools by ascending id, by descending score (ties toward the lower
-#: id), or in the order of the serving selector (not deterministic).
-ORDERS = ("ascending", "score", "serving")
+#: id), or in the order of the serving selector (not deterministic); ``ascending-unused-first``:
+#: ascending id with the unused (``-1``) history slots first, so the last pool ends at column
+#: ``topk`` (XTuner's canonical order, ``tail="fixed"`` only).
+ORDERS = ("ascending", "score", "serving", "ascending-unused-first")
+#: ``order="ascending-unused-first"``: selected ascending; the expansion puts the unused slots first.
+UNUSED_FIRST = "ascending-unused-first"
 #: ``gather=``: all-gather keys and gates, then pool (``keys``), or pool per shard with a
 #: seam exchange, then all-gather the pooled keys (``pools``).
 GATHERS = ("keys", "pools")
@@ -106,6 +110,9 @@ class KPoolConfig:
             _set_int(self, "max_logits_bytes", 1)
         check_choice("tail", self.tail, TAILS)
         check_choice("order", self.order, ORDERS)
+        if self.order == UNUSED_FIRST and self.tail != "fixed":
+            raise ValueError(f"order: 'ascending-unused-first' puts the unused history slots first, so the history "
+                             f"always ends at column topk; it needs tail='fixed', got tail={self.tail!r}")  # fmt: skip
         if self.precision is not None:
             check_choice("precision", self.precision, PRECISIONS)
 

@@ -12,7 +12,7 @@ import torch
 
 from . import _device
 from ._probe import probe
-from .config import output_width
+from .config import UNUSED_FIRST, output_width
 from .selectors import _ascending
 
 __all__ = ["assemble"]
@@ -49,7 +49,10 @@ def assemble(
     Returns:
         ``[R, align(topk + kpool - 1, alignment)]`` int32 global token ids, ``-1`` padded.
         ``fixed``: history in ``[0, topk)``, tail in ``[topk, topk + kpool - 1)``;
-        ``compact``: history, then the tail right after it, then ``-1``.
+        ``compact``: history, then the tail right after it, then ``-1``. History order:
+        ``pools``' order (sorted first for ``ascending``), the unused slots last; with
+        ``order="ascending-unused-first"`` (``fixed`` only) the ``topk // kpool - n`` unused
+        slots first, then the ``n`` selected pools ascending (XTuner's canonical columns).
     """
     device = pools.device
     rows, k_sel = pools.shape
@@ -60,6 +63,15 @@ def assemble(
     p32 = pools.to(torch.int32)
     if order == "ascending" and not presorted:
         p32 = _ascending(p32)
+    elif order == UNUSED_FIRST:
+        if tail != "fixed":
+            raise ValueError(f"tail: order {UNUSED_FIRST!r} needs tail='fixed', got {tail!r}")
+        # ascending with -1 (below every id) first, left-padded to topk // kpool slots; the
+        # Triton expansion (tail="fixed") expands every slot on its own, -1 anywhere
+        p32 = torch.sort(p32, dim=-1).values
+        if k_sel < topk // kpool:
+            p32 = torch.cat([p32.new_full((rows, topk // kpool - k_sel), -1), p32], dim=1)
+        k_sel = topk // kpool
     if _device.on_gpu(device) and probe("triton")[0] is not None:
         from .kernels.triton_expand import expand_pools
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import capture as _capture_mod
+from . import op as _op
 from . import pipeline
 from .checks import check_choice, check_int
 from .config import KPoolConfig, RunOptions
@@ -233,7 +234,10 @@ class KPoolIndexer(nn.Module):
         this rank's rows of the packed sequence described by ``seq``. Bad input on any rank
         (here or in ``kpool_topk``) makes every rank raise the same error, before any data
         moves. ``replay``: this layer's rollout selection (``mode="replay"`` or ``"verify"``;
-        one ``[T_d, W_d]`` array per real document, :func:`sp_kpool.replay.shard`).
+        one ``[T_d, W_d]`` array per real document, :func:`sp_kpool.replay.shard`). Under
+        ``torch.compile`` (``mode="compute"``) the projections are traced and the selection
+        is one opaque custom operator (:mod:`sp_kpool.op`); a capture (``capture_dir``)
+        records eager calls only; the replay modes are eager only.
         """
         if self.mode == "compute" and replay is not None:
             pipeline.fail_on_every_rank(seq, TypeError("replay: given, but the module's mode is 'compute' (set "
@@ -243,6 +247,11 @@ class KPoolIndexer(nn.Module):
         return self._computed(hidden, q_resid, seq)
 
     def _computed(self, hidden: torch.Tensor, q_resid: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
+        if _op.is_traced():  # torch.compile: the projections, then one opaque custom operator (sp_kpool.op)
+            config = self.config.replace(precision=resolve_precision(self.precision, self.settings))
+            prepared = self.prepare(hidden, q_resid, config.precision)
+            return _op.kpool_topk_traced(**prepared, seq=seq, config=config, options=self.options,
+                                         settings=self.settings)  # fmt: skip
         try:
             config = self.config.replace(precision=resolve_precision(self.precision, self.settings))  # one resolution
             prepared = self.prepare(hidden, q_resid, config.precision)

@@ -29,6 +29,7 @@ import torch
 
 from . import _device
 from ._probe import probe
+from .config import UNUSED_FIRST
 
 __all__ = [
     "SelectRequest",
@@ -388,6 +389,7 @@ def reads_row_ranges_only(k: int, width: int, order: str) -> bool:
     that reads only ``[start, end)`` of each row: scorers may then leave the other cells
     unwritten (no ``-inf`` pass). The one place that decides it, for the selectors and the
     scorers alike."""
+    order = "ascending" if order == UNUSED_FIRST else order  # selected ascending (expansion.assemble)
     try:
         return choose(SelectRequest(k, width, order, torch.device("cuda"))).reads_ranges_only
     except ValueError:
@@ -404,8 +406,9 @@ def select_pools(
     at invisible cells; ``starts``/``ends``: ``[R]`` the columns that may be visible
     (optional; cells outside are ignored).
 
-    Order of each row: ``order="ascending"``: ascending pool id; ``"serving"``: the serving
-    selector's; otherwise score order. The selector is :func:`choose`'s for the request; all
+    Order of each row: ``order="ascending"`` (and ``"ascending-unused-first"``, whose
+    layout :func:`sp_kpool.expansion.assemble` makes): ascending pool id, ``-1`` last;
+    ``"serving"``: the serving selector's; otherwise score order. The selector is :func:`choose`'s for the request; all
     return the same sets (on CUDA the Triton selector when it supports the request; on CPU
     the int64-key path).
 
@@ -413,6 +416,8 @@ def select_pools(
     pipeline's output): the row is written whole, ``-1`` past ``min(k, N)``, and ``out`` is
     returned. A selector with ``writes_out`` writes into it directly; the others copy.
     """
+    if order == UNUSED_FIRST:  # selected ascending; the expansion moves the unused slots first
+        order = "ascending"
     R, n = scores.shape
     if out is not None and (out.shape != (R, k) or out.dtype != torch.int32 or out.device != scores.device):
         raise ValueError(f"out: expected an int32 tensor of shape {(R, k)} on {scores.device}, got "

@@ -152,6 +152,8 @@ class Settings:
         t = self.comm_log_interval
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ValueError(f"{ENV['comm_log_interval']}: expected a positive number of seconds, got {t!r}")
+        # the fields as text, one repr a line: how the custom operator takes them (sp_kpool.op)
+        object.__setattr__(self, "op_text", "\n".join(repr(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     def check(self) -> None:
         """Raise ``ValueError`` with :attr:`env_error` if a variable could not be read."""

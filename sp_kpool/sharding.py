@@ -170,6 +170,9 @@ class ShardedSequence:
         if self.prompt_lens is not None:  # validated and a tuple however the object was built
             object.__setattr__(self, "prompt_lens", _as_prompt_lens(self.prompt_lens, self.real_cu_seq_lens))
         object.__setattr__(self, "tables", TableCache())
+        from .op import sequence_arguments  # what the custom operator takes of it (sp_kpool.op)
+
+        object.__setattr__(self, "op_arguments", sequence_arguments(self))
 
     # ----------------------------------------------------------------- builders
     @classmethod

@@ -16,13 +16,13 @@ length are uninitialised and masked here) where only ``fp8_fp4_mqa_logits`` exis
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 
 from .._probe import cuda_reason, probe
 from ..plan import round_rows
 from ..selectors import reads_row_ranges_only
+from . import deepgemm_api
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
 from .deepgemm_logits import logits_bytes, logits_chunk_rows
 
@@ -31,26 +31,13 @@ __all__ = ["DeepGemmBackend", "mqa_api"]
 
 @functools.lru_cache(maxsize=1)
 def mqa_api():
-    """``(function, layouts supported, legacy alignment or None)`` of the installed DeepGEMM."""
+    """``(function, layouts supported)`` of the installed DeepGEMM, detected once by the
+    rule of :func:`sp_kpool.backends.deepgemm_api.from_module` (its API generation)."""
     dg, why = probe("deep_gemm")
     if dg is None:
         raise RuntimeError(why)
-    fn = getattr(dg, "fp8_mqa_logits", None)
-    if fn is not None:
-        doc = (getattr(fn, "__doc__", "") or "") + str(_signature(fn))
-        layouts = ("legacy", "compact") if "max_seqlen_k" in doc else ("legacy",)
-        return fn, layouts
-    fn = getattr(dg, "fp8_fp4_mqa_logits", None)
-    if fn is not None:
-        return fn, ("compact",)
-    raise RuntimeError("deep_gemm has neither fp8_mqa_logits nor fp8_fp4_mqa_logits")
-
-
-def _signature(fn):
-    try:
-        return inspect.signature(fn)
-    except (TypeError, ValueError):
-        return ""
+    api = deepgemm_api.from_module(dg)
+    return api.function, api.layouts
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,6 +26,18 @@ stream. Megatron's ``DSAttention.forward`` all-gathers K/V (and the indexer's ``
 K/V, so our ids can be used as they are. A caller that keeps the gathered K/V in rank order
 (without the reorder) maps them with :func:`gathered_ids`.
 
+**Column order.** The columns are :func:`~sp_kpool.kpool_topk`'s (``order``, ``tail``; default
+the selected pools by ascending id, ``-1`` after them, the tail at ``[topk, topk + K - 1)``).
+Megatron-LM's DSA attention (megatron-core 0.19.2, which has no KPool indexer of its own) takes
+``-1`` in any column: its cuDNN/FlashMLA path first moves the valid ids left and sorts them by
+index (``_prepare_attention_topk_indices`` -> ``dsa_masking.sort_topk_by_index``), which is
+exactly ``order="ascending", tail="compact"`` (the tail ids follow every pool of the row), so
+with those options its preparation leaves our ids unchanged; its unfused paths mask ``-1`` per
+column (the absorbed one scatters the ids into a dense mask, order-free; ``unfused_dsa_fn``
+accumulates an online softmax over chunks of 1024 columns, so there the column order changes
+the rounding, not the set). Its own token indexer emits best first (``torch.topk``):
+``order="score"`` follows that convention.
+
 Calling us from Megatron's DSA indexer (GLM-5.3 KPool port; batch 1 packed THD, or one call per
 batch element for non-packed ``[s, b, ...]``)::
 

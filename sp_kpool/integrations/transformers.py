@@ -112,6 +112,22 @@ class _Packing:
 _last_packing: tuple[Any, int, tuple, _Packing] | None = None
 
 
+@torch.compiler.disable  # a host read: eager, one graph break under torch.compile
+def _check_runs(mask: torch.Tensor, where: str) -> None:
+    """transformers pools from each row's first real token: the real tokens of every row of
+    ``mask [B, S]`` (bool) must be one run."""
+    S = mask.shape[1]
+    n = mask.sum(1)
+    first = torch.where(n > 0, mask.to(torch.int32).argmax(1), 0)
+    pos = torch.arange(S, device=mask.device)
+    run = (pos >= first[:, None]) & (pos < (first + n)[:, None])
+    if not torch.equal(run, mask):
+        b = int((run != mask).any(1).nonzero()[0])
+        raise ValueError(f"{where}: row {b} is not one contiguous run of real tokens (left or right padding "
+                         f"only; Glm5NextTextIndexer pools from the first real token)")  # fmt: skip
+
+
+@torch.compiler.disable  # host reads (nonzero, the lengths): eager, one graph break under torch.compile
 def _packing(mask: torch.Tensor, given: torch.Tensor | None) -> _Packing:
     global _last_packing
     key = (tuple(mask.shape), mask.device)
@@ -250,15 +266,7 @@ class TransformersKPoolIndexer(KPoolIndexer):
         if attention_mask.device != device:
             raise ValueError(f"{where}: expected device {device}, got {attention_mask.device}")
         mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-        # transformers pools from each row's first real token: the real tokens are one run
-        n = mask.sum(1)
-        first = torch.where(n > 0, mask.to(torch.int32).argmax(1), 0)
-        pos = torch.arange(S, device=device)
-        run = (pos >= first[:, None]) & (pos < (first + n)[:, None])
-        if not torch.equal(run, mask):
-            b = int((run != mask).any(1).nonzero()[0])
-            raise ValueError(f"{where}: row {b} is not one contiguous run of real tokens (left or right padding "
-                             f"only; Glm5NextTextIndexer pools from the first real token)")  # fmt: skip
+        _check_runs(mask, where)
         return mask
 
     def _cache_states(self, hidden_states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ XTuner (``xtuner/v1/ops/sparse_mla/kpool.py``) calls its KPool indexer as::
                                   always_select_tail=..., alignment=..., query_chunk_size=...)
 
 :func:`kpool_topk_indices` takes the same arguments and returns the same tensor (shape,
-dtype, layout, ``-1`` padding; the same selected set for every row), so swapping the import
+dtype, ``-1`` padding, the same selected set for every row, in XTuner's column order: the
+pools ascending with the unused slots first, the tail at ``index_topk``), so swapping the import
 (or the function ``KPoolIndexer._topk_indices_fn`` resolves) is the whole integration.
 
 The ``SequenceContext`` is read by its attributes only (XTuner is not imported):
@@ -189,9 +190,13 @@ def kpool_topk_indices(
     returns      ``[S, 1, width]``   int32 global token ids, ``-1`` unused
     ===========  ==================  ===============================================
 
-    ``width = ceil((index_topk + K - 1) / alignment) * alignment``. Slots ``[0, index_topk)``:
-    the selected pools (the ``min(index_topk / K, (j + 1) // K)`` best complete pools of the
-    row's document that end at or before it), ``K`` ids each, best first, then ``-1``;
+    ``width = ceil((index_topk + K - 1) / alignment) * alignment``. **Column order: XTuner's,
+    bit for bit.** Slots ``[0, index_topk)``: the selected pools (the
+    ``min(index_topk / K, (j + 1) // K)`` best complete pools of the row's document that end
+    at or before it), ``K`` ids each, in XTuner's canonical order (``expand_pools_and_tail``
+    sorts the selected pool ids ascending before expanding them: the
+    ``index_topk / K - n`` unused slots, ``-1``, first, then the ``n`` pools by ascending id,
+    so the last pool ends at column ``index_topk``: ``order="ascending-unused-first"``);
     slots ``[index_topk, index_topk + K - 1)``: the ``(j + 1) % K`` most recent tokens (the
     incomplete pool), oldest first, then ``-1`` (all ``-1`` with ``always_select_tail=False``);
     the rest ``-1``. Row ``i`` is the token at global position ``shard_start + i``.
@@ -200,8 +205,9 @@ def kpool_topk_indices(
     several ranks every rank of the mesh must call. ``query_chunk_size`` (XTuner's kernel
     chunking) is accepted and ignored: it does not change the selection, and our scoring
     scratch is bounded by ``max_logits_bytes``. ``options`` go to :func:`sp_kpool.kpool_topk`
-    (``backend``, ``gather``, ``balance``, ``max_logits_bytes``, ``order`` (default ``"score"``:
-    best first, ties toward the lower pool id), ...).
+    (``backend``, ``gather``, ``balance``, ``max_logits_bytes``, ``order`` (default
+    ``"ascending-unused-first"``, XTuner's columns; ``"score"``: best first, the unused slots
+    last: the same sets, another reduction order in XTuner's sparse attention), ...).
 
     ``replay``: the rollout's selection of this layer (one ``[T_d, W_d]`` array per real
     document, request-local token positions, or pool ids with ``replay_ids="pools"``):
@@ -231,7 +237,7 @@ def kpool_topk_indices(
     if int(index_topk) % int(index_kpool):
         raise ValueError(f"index_topk: expected a multiple of index_kpool = {index_kpool}, got {index_topk}")
     seq = _cached_sequence(seq_ctx, S)
-    options.setdefault("order", "score")
+    options.setdefault("order", "ascending-unused-first")
     if replay is not None:
         from ..replay import shard
 

@@ -159,3 +159,26 @@ def packed_seq_params_class() -> type:
     """Megatron's ``PackedSeqParams`` dataclass, from the wheel (skips without it; fails in CI)."""
     megatron()  # skips or fails alike
     return _packed_seq_params_cached(_find_wheel())
+
+
+MASKING_MEMBER = "megatron/core/transformer/experimental_attention_variant/dsa_masking.py"
+
+
+@functools.lru_cache(maxsize=None)
+def _sort_topk_by_index_cached(wheel: Path) -> Callable:
+    with zipfile.ZipFile(wheel) as z:
+        source = z.read(MASKING_MEMBER).decode()
+    body = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "sort_topk_by_index"]
+    assert body, f"{MASKING_MEMBER} of {wheel.name}: no sort_topk_by_index"
+    namespace = {"torch": torch, "Optional": Optional, "Tuple": __import__("typing").Tuple}
+    exec(compile(ast.Module(body=body, type_ignores=[]), f"{wheel}/{MASKING_MEMBER}", "exec"), namespace)
+    return namespace["sort_topk_by_index"]
+
+
+def sort_topk_by_index() -> Callable:
+    """``dsa_masking.sort_topk_by_index`` of the wheel (compiled alone from its source: torch
+    only): the canonical column order Megatron's cuDNN/FlashMLA DSA path gives the top-k
+    indices before its sparse attention (valid ids ascending, ``-1`` after). Skips without
+    the wheel, fails in CI."""
+    megatron()
+    return _sort_topk_by_index_cached(_find_wheel())

@@ -41,7 +41,7 @@ CASES = [
     (lambda a, k: k.update(kpool=0), ValueError, "kpool: expected >= 1, got 0"),
     (lambda a, k: k.update(topk=0), ValueError, "topk: expected >= 1, got 0"),
     (lambda a, k: k.update(tail="end"), ValueError, "tail: expected one of ['fixed', 'compact'], got 'end'"),
-    (lambda a, k: k.update(order="random"), ValueError, "order: expected one of ['ascending', 'score', 'serving'], got 'random'"),
+    (lambda a, k: k.update(order="random"), ValueError, "order: expected one of ['ascending', 'score', 'serving', 'ascending-unused-first'], got 'random'"),
     (lambda a, k: k.update(order="serving"), ValueError, "order 'serving' needs the CUDA serving selector, inputs are on cpu"),
     (lambda a, k: k.update(alignment=0), ValueError, "alignment: expected >= 1, got 0"),
     (lambda a, k: k.update(backend="cuda-magic"), ValueError, "backend: expected one of ['auto', 'torch'"),

@@ -21,11 +21,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from megatron_ref import megatron, megatron_cp_batch_split, packed_seq_params_class
+from megatron_ref import megatron, megatron_cp_batch_split, packed_seq_params_class, sort_topk_by_index
 
-from sp_kpool import kpool_topk
+from sp_kpool import ShardedSequence, kpool_topk
 from sp_kpool.integrations.megatron import gathered_ids, key_reorder, sharded_sequence
 from sp_kpool.testing.dist import run_ranks
+from sp_kpool.testing.problems import make_inputs, shard_inputs
 
 CPU = torch.device("cpu")
 CASES = [[1], [7], [16], [0, 5], [3, 0, 0, 9], [1, 1, 1, 1, 1], [2, 3, 5, 7, 11, 13], [15, 1, 16, 31], [100, 1, 0, 17]]
@@ -122,6 +123,24 @@ def test_ids_index_megatrons_reordered_gathered_kv():
     g = gathered_ids(seqs[0], ids)
     assert g.dtype == torch.int32 and (g[ids < 0] == -1).all()
     assert torch.equal(gathered[g[ids >= 0].long()], stream_k[ids[ids >= 0].long()])
+
+
+def test_column_order_is_megatrons_canonical_attention_order():
+    # Megatron's cuDNN/FlashMLA DSA path compacts and sorts the top-k ids by index
+    # (_prepare_attention_topk_indices -> dsa_masking.sort_topk_by_index) before its sparse
+    # attention; order="ascending", tail="compact" is already that layout (the tail ids come
+    # after every pool of the row), so its preparation leaves our ids unchanged. The default
+    # (tail="fixed") and order="score" are the same sets: Megatron canonicalizes them to it.
+    canon = sort_topk_by_index()
+    x = make_inputs([37, 64, 9], heads=4, head_dim=8, kpool=4, seed=2)
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
+    run = lambda **kw: kpool_topk(**shard_inputs(x, seq), seq=seq, topk=32, kpool=4, **kw)  # noqa: E731
+    ours = run(order="ascending", tail="compact")
+    S = int(x.cu_seq_lens[-1])
+    mc = lambda ids: canon(ids.long(), ids >= 0, sk=S)[0].int()  # noqa: E731
+    assert torch.equal(mc(ours), ours)
+    for other in (run(), run(order="score"), run(order="score", tail="compact")):
+        assert not torch.equal(other, ours) and torch.equal(mc(other), ours)
 
 
 @pytest.mark.parametrize("kwargs, text", [

@@ -117,6 +117,30 @@ def test_same_logits_with_our_indexer(base, padding_side, tail):
     assert torch.equal(got, want)
 
 
+def test_compiled_model_same_logits(base, monkeypatch):
+    # torch.compile of the whole model (transformers' own code breaks the graph in places): our
+    # indexer goes through the opaque custom operator, and the logits equal the eager model's
+    # (and transformers' indexer's) bit for bit on two batches of different padding
+    import sp_kpool.op as op
+
+    ours = copy.deepcopy(base)
+    replace_indexers(ours, precision="bf16")
+    traced = []
+    inner = op.kpool_topk_traced
+    monkeypatch.setattr(op, "kpool_topk_traced", lambda *a, **k: traced.append(1) or inner(*a, **k))
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="eager", dynamic=True)  # dynamo, its fake tensors
+    try:
+        with torch.no_grad():
+            for padding_side, seed in (("left", 1), ("right", 3)):
+                ids, mask = batch(padding_side, seed=seed)
+                want = base(input_ids=ids, attention_mask=mask).logits
+                assert torch.equal(compiled(input_ids=ids, attention_mask=mask).logits, want)
+    finally:
+        torch._dynamo.reset()
+    assert traced  # the indexer was traced as the custom operator, not run eagerly
+
+
 def test_logits_comparison_can_fail(base):
     ours = copy.deepcopy(base)
     replace_indexers(ours, precision="bf16")

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from sp_kpool import ShardedSequence, kpool_topk
+from sp_kpool import KPoolConfig, ShardedSequence, kpool_topk
 from sp_kpool.pooling import compress_pools_bf16, pool_table
 from sp_kpool.selection import assemble, output_width, row_meta, score_keys, topk_pools
 from sp_kpool.testing.invariants import check_invariants
@@ -543,3 +543,30 @@ def test_prompt_lens_are_checked_however_the_sequence_is_built():
     with pytest.raises(ValueError, match=r"prompt_lens\[1\]: expected 0 <= prompt_lens\[1\] <= len = 4, got 5"):
         ShardedSequence(cu_seq_lens=torch.tensor([0, 5, 9]), shard_start=0, shard_size=9, rank=0, world_size=1,
                         prompt_lens=[4, 5])  # fmt: skip
+
+
+def test_order_ascending_unused_first_is_ascending_moved_to_the_end_of_the_history():
+    # XTuner's canonical columns: the same ids as "ascending", the unused slots first
+    x = make_inputs([50, 61, 7], heads=8, head_dim=16, kpool=4, seed=5)
+    seq = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)
+    topk = 32  # 8 slots: most rows of the short documents fill fewer
+    a = kpool_topk(**shard_inputs(x, seq), seq=seq, topk=topk, order="ascending")
+    u = kpool_topk(**shard_inputs(x, seq), seq=seq, topk=topk, order="ascending-unused-first")
+    assert torch.equal(a[:, topk:], u[:, topk:])  # the tail columns are untouched
+    for ra, ru in zip(a[:, :topk].tolist(), u[:, :topk].tolist()):
+        used = [v for v in ra if v >= 0]
+        assert ru == [-1] * (topk - len(used)) + used
+    assert not torch.equal(a, u)
+
+
+def test_order_ascending_unused_first_pads_a_narrow_selection():
+    # fewer selected columns than topk // kpool (a chunk with fewer pools than slots)
+    cu = torch.tensor([0, 9])
+    pts, offs = pool_table(cu, 4)
+    meta = row_meta(torch.tensor([3, 8]), cu, offs, 4)
+    pools = torch.tensor([[0, -1], [1, 0]])
+    out = assemble(pools, meta, pts, topk=16, kpool=4, tail="fixed", order="ascending-unused-first", alignment=1)
+    assert out[0].tolist() == [-1] * 12 + [0, 1, 2, 3] + [-1] * 3
+    assert out[1].tolist() == [-1] * 8 + list(range(8)) + [8, -1, -1]
+    with pytest.raises(ValueError, match="order: 'ascending-unused-first' puts the unused history slots first"):
+        KPoolConfig(topk=16, tail="compact", order="ascending-unused-first")

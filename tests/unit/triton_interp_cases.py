@@ -592,3 +592,21 @@ def test_short_rows_step_is_only_a_shortcut():
     a = tk.topk_ascending(s, starts, ends, base, 32, tile=128)
     b = tk.topk_ascending(s, starts, ends, base, 32, tile=128, short_rows=False)
     assert torch.equal(a, b) and torch.equal(a, exact_ascending(s, starts, ends, base, 32))
+
+
+def test_expand_takes_the_unused_slots_first():
+    # order="ascending-unused-first" (XTuner's columns): assemble hands the kernel the pools
+    # sorted with -1 first, padded to topk // kpool slots; with tail="fixed" every slot is
+    # expanded on its own, so the kernel's columns equal the torch path's
+    cu = [0, 13, 14, 57, 130]
+    rows = torch.tensor([0, 3, 12, 13, 20, 40, 56, 57, 60, 99, 129])
+    k, kpool = 6, 4
+    pools, meta, pts = visible_pools(cu, rows, kpool, k, seed=2)
+    want = assemble(pools, meta, pts, topk=k * kpool, kpool=kpool, tail="fixed", order="ascending-unused-first",
+                    alignment=8)  # fmt: skip
+    first = torch.sort(pools.int(), dim=-1).values
+    out = torch.full_like(want, 12345)
+    got = te.expand_pools(first, meta.rows, meta.tail_len, meta.pool_hi, out, topk=k * kpool, kpool=kpool, tail="fixed")
+    assert torch.equal(got, want)
+    assert bool((want[:, 0] == -1).any()) and not torch.equal(
+        want, assemble(pools, meta, pts, topk=k * kpool, kpool=kpool, tail="fixed", order="ascending", alignment=8))
