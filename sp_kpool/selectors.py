@@ -562,7 +562,7 @@ class _TritonFp8Fused(FusedSelector):
             return why
         if not problem.settings.fused:
             why.append("off by default (SP_KPOOL_FUSED=1 turns it on)")
-        if problem.order != "ascending":
+        if problem.order not in ("ascending", UNUSED_FIRST):
             why.append(f"order {problem.order!r}: writes ascending pool ids only")
         dev = torch.device("cuda") if _device.on_gpu(problem.device) else problem.device
         why += self.static_reasons(dev)
