@@ -93,9 +93,9 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
         if call.q is None:
             unscored.append((a, b))
             continue
-        if out is None and fused is not None:
-            out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
         if fused is not None:
+            if out is None:
+                out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
             with stage(problem, "score"):
                 counts = fused.score_select(backend, problem, pools, call, out[a - lo_row : b - lo_row])
             _add_counts(problem.counters, fused.name, counts)
@@ -136,7 +136,11 @@ def _add_counts(counters: dict, name: str, counts: dict) -> None:
         if old is None:
             counters[key] = value
         elif key.endswith("_max"):
-            counters[key] = torch.maximum(torch.as_tensor(old), torch.as_tensor(value)) if isinstance(
-                value, torch.Tensor) or isinstance(old, torch.Tensor) else max(old, value)  # fmt: skip
+            tensor = next((t for t in (old, value) if isinstance(t, torch.Tensor)), None)
+            if tensor is None:
+                counters[key] = max(old, value)
+            else:  # on the device: no host synchronisation per chunk
+                counters[key] = torch.maximum(torch.as_tensor(old, device=tensor.device),
+                                              torch.as_tensor(value, device=tensor.device))  # fmt: skip
         else:
             counters[key] = old + value
