@@ -97,6 +97,7 @@ def bad_input_on_one_rank(rank: int, world_size: int, case: str) -> str:
     if case == "dtype" and last:
         args["gates"] = args["gates"].to(torch.int32)
     if case == "float dtype" and last:  # valid on its own, but not what the other ranks send
+        args["q"] = args["q"].to(torch.bfloat16)
         args["k"] = args["k"].to(torch.bfloat16)
     try:
         kpool_topk(**args, seq=seq, topk=topk)

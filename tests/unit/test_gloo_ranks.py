@@ -28,12 +28,12 @@ def test_gloo_ranks_equal_world_size_one(world_size):
 
 
 @pytest.mark.parametrize("case, text", [
-    ("shape", "k: expected shape [8, 16], got [8, 15]"),
+    ("shape", "k: expected shape [8, 16] (rows: seq.shard_size; D: q.shape[2], gates.shape[1], ape.shape[1]), got [8, 15]"),
     ("topk", "topk: per rank"),
     ("dtype", "gates: expected a floating-point dtype"),
     # each rank's input is valid, the ranks' dtypes differ: agreed before the gather (which
     # gloo would abort on, killing the process)
-    ("float dtype", "k.dtype: per rank ['float32', 'float32', 'bfloat16']"),
+    ("float dtype", "q.dtype: per rank ['float32', 'float32', 'bfloat16']"),
 ])  # fmt: skip
 def test_bad_input_on_one_rank_fails_on_every_rank_alike(case, text):
     messages = run_ranks(bad_input_on_one_rank, 3, (case,), timeout=120)
