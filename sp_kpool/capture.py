@@ -388,25 +388,6 @@ class Capture:
 
         return RunOptions.from_record({**self.meta["options"], "backend": self.meta["backend"]})
 
-    def indexer(self, device: torch.device | str = "cpu"):
-        """A ``KPoolIndexer`` with the captured parameters (dtypes kept), config and options."""
-        from .indexer import KPoolIndexer
-
-        m, cfg, opts = self.meta, self.config(), self.options()
-        wq, wk = self.params["wq_b.weight"], self.params["wk.weight"]
-        mod = KPoolIndexer(
-            hidden_size=wk.shape[1], q_lora_rank=wq.shape[1], index_n_heads=m["heads"],
-            index_head_dim=wk.shape[0], index_topk=cfg.topk, index_kpool=cfg.kpool,
-            tail=cfg.tail, order=cfg.order, alignment=cfg.alignment, max_logits_bytes=cfg.max_logits_bytes,
-            precision=cfg.precision, device="meta", capture_dir=None, **opts.record(),
-        )  # fmt: skip
-        mod._capture = None  # never re-capture a replay, whatever the environment says
-        mod.load_state_dict({n: t.to(device) for n, t in self.params.items()}, strict=True, assign=True)
-        for name in mod.FP32_PARAMETERS:  # assign= takes the stored dtype (older captures: BF16, exact in FP32)
-            p = mod.get_parameter(name)
-            p.data = p.data.float()
-        return mod.requires_grad_(False)
-
 
 def _fail(path: Path, what: str) -> CaptureError:
     return CaptureError(f"{path}: {what}")

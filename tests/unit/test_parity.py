@@ -14,6 +14,7 @@ from sp_kpool.backends.torch_backend import TorchBackend
 from sp_kpool.capture import CaptureError, enable, load_capture, load_capture_set
 from sp_kpool.cli import main
 from sp_kpool.parity import Arm, format_table, make_synthetic_capture, replay, write_outputs
+from sp_kpool.parity.rebuild import rebuild_indexer
 from sp_kpool.testing.dist import run_ranks
 
 HIDDEN, Q_LORA, H, D, K, T = 32, 24, 8, 16, 4, 16  # D a power of two (fp8); H >= 8 (contract §9)
@@ -71,7 +72,7 @@ def test_capture_round_trip_keeps_result_and_inputs(captured, tmp_path):
     assert set(c.params) == set(state) and len(state) == 7
     assert all(torch.equal(c.params[n], state[n]) for n in state)
     assert (c.meta["precision"], c.meta["backend_resolved"], c.meta["topk"], c.meta["kpool"], c.meta["heads"]) == ("fp8", "torch", T, K, H)
-    rebuilt = c.indexer("cpu")
+    rebuilt = rebuild_indexer(c, "cpu")
     assert rebuilt._capture is None and all(torch.equal(rebuilt.state_dict()[n], state[n]) for n in state)
     rep = replay(path, "fp8:torch", "bf16", repeat=False)
     assert rep["arms"]["A"]["reproduces_captured_ids"] is True
