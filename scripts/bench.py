@@ -25,7 +25,7 @@ Writes, under ``--out`` (default ``benchmarks/results``), ``bench_<tag>_<time>.j
 every configuration, so a crash keeps what finished), ``.md`` (a table) and ``.png`` (time
 per stage vs sequence length, one panel per backend/precision and option combination),
 with the command, date, machine and versions. The reporting (summary per configuration,
-table, plot, the fit of the balance work model) lives in :mod:`sp_kpool.testing.bench`;
+table, plot, the fit of the balance work model) lives in :mod:`sp_kpool.testing.bench_report`;
 ``scripts/bench_report.py`` re-draws or merges finished runs.
 
 Runs with the package installed (``pip install -e .`` from the repository root).
@@ -47,14 +47,8 @@ import time
 
 import torch
 
-from sp_kpool.testing.bench import (
-    add_ratios,
-    fit_row_cost,
-    gather_into_tensor,
-    one_line,
-    summarize,
-    write_outputs,
-)
+from sp_kpool.testing.bench_inputs import gather_into_tensor
+from sp_kpool.testing.bench_report import add_ratios, fit_row_cost, one_line, summarize, write_outputs
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 

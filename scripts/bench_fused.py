@@ -26,7 +26,7 @@ import torch
 from sp_kpool.backends import BACKENDS
 from sp_kpool.pipeline import solve
 from sp_kpool.settings import Settings
-from sp_kpool.testing.bench import do_bench_ms, log, package_versions, save
+from sp_kpool.testing.bench_timing import do_bench_ms, log, package_versions, save
 from sp_kpool.testing.problems import rank_slice_problem
 
 CASES = {"W": (131072, None), "W262k": (262144, None), "packed64": (131072, [2048] * 64)}

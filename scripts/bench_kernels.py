@@ -23,7 +23,7 @@ H 32 call was 0.3-0.5 ms below the time of calls queued back to back
 (``benchmarks/results/h200-cu130-torch2.11/README.md``), so ``do_bench`` is the
 steady-state figure.
 DeepGEMM alone is timed cold and by ``do_bench``; the JSON holds the ratios of each pair.
-The timing helpers live in :mod:`sp_kpool.testing.bench`.
+The timing helpers live in :mod:`sp_kpool.testing.bench_timing`.
 
 Runs with the package installed (``pip install -e .`` from the repository root).
 """
@@ -42,10 +42,10 @@ from sp_kpool.backends import BACKENDS
 from sp_kpool.pipeline import solve
 from sp_kpool.pooling import pool_table
 from sp_kpool.selection import row_meta
-from sp_kpool.testing.bench import do_bench_ms as bench_do_bench
-from sp_kpool.testing.bench import host_ahead_ms as bench_host_ahead
-from sp_kpool.testing.bench import launch_kwargs, log, package_versions, save
-from sp_kpool.testing.bench import median_ms as bench
+from sp_kpool.testing.bench_timing import do_bench_ms as bench_do_bench
+from sp_kpool.testing.bench_timing import host_ahead_ms as bench_host_ahead
+from sp_kpool.testing.bench_timing import launch_kwargs, log, package_versions, save
+from sp_kpool.testing.bench_timing import median_ms as bench
 from sp_kpool.testing.problems import rank_slice_problem, reference_slice_problem
 
 

@@ -5,7 +5,7 @@ time per stage vs sequence length, and the fit of the balance work model.
 
 re-draws the table and the plot from one or several result files (several: their results
 are merged, e.g. single-GPU runs of different backends; the environment of the first is
-shown). The reporting functions live in :mod:`sp_kpool.testing.bench` (``scripts/bench.py``
+shown). The reporting functions live in :mod:`sp_kpool.testing.bench_report` (``scripts/bench.py``
 calls its ``write_outputs`` after every configuration).
 
 Runs with the package installed (``pip install -e .`` from the repository root).
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from sp_kpool.testing.bench import fit_row_cost, write_outputs
+from sp_kpool.testing.bench_report import fit_row_cost, write_outputs
 
 
 def main(argv=None) -> int:

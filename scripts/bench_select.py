@@ -9,7 +9,8 @@ model. Times, on the same logits: ``topk_ascending`` for several launch configur
 LMDeploy's ``sparse_index_topk`` and ``torch.topk`` (value only, no exact ties rule); checks
 every configuration against the exact int64-key Top-K (``selection.topk_pools``), also on
 inputs with heavy exact ties. Writes ``bench_select.json``. The logits, the exact reference
-and the timing come from :mod:`sp_kpool.testing.bench`.
+and the timing come from :mod:`sp_kpool.testing.bench_inputs` and
+:mod:`sp_kpool.testing.bench_timing`.
 
 Runs with the package installed (``pip install -e .`` from the repository root).
 """
@@ -25,7 +26,8 @@ import torch
 
 from sp_kpool.kernels import triton_topk
 from sp_kpool.kernels.triton_topk import topk_ascending
-from sp_kpool.testing.bench import exact_ascending, launch_kwargs, log, median_ms, save, selector_logits
+from sp_kpool.testing.bench_inputs import exact_ascending, selector_logits
+from sp_kpool.testing.bench_timing import launch_kwargs, log, median_ms, save
 
 
 def bench(fn):

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from sp_kpool.kernels.triton_topk import topk_ascending
-from sp_kpool.testing.bench import selector_logits
+from sp_kpool.testing.bench_inputs import selector_logits
 
 
 def main():

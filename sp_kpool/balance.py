@@ -41,6 +41,7 @@ import torch
 from .checks import check_int
 from ._device import to_device
 from .comm import exchange_rows, pack_rows, take_rows, unpack_rows
+from .config import ROW_COST
 
 __all__ = [
     "ROW_COST",
@@ -52,10 +53,6 @@ __all__ = [
     "move_queries",
     "route_pools",
 ]
-
-#: Default per-row constant of the work model, in units of one (row, pool) score: a row's
-#: own handling (query preparation, its Top-K output) that does not grow with its history.
-ROW_COST = 1
 
 
 @dataclass(frozen=True)

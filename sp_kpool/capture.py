@@ -41,8 +41,11 @@ hidden rows in every file instead would cost ``W`` times the whole sequence's hi
 states: 1 GiB per file for 131072 BF16 tokens of width 4096.)
 
 Captures written by earlier versions load: without ``prompt_lens`` they replay with every
-pool in decode order (the report says so), and without ``config`` the metadata fields
-above rebuild it. Their serving-arm ids (``bf16-serving``, ``fp8``) were computed with the
+pool in decode order (the report says so), and without ``config`` the flat metadata fields
+(topk, kpool, tail, order, alignment, precision, max_logits_bytes) rebuild it; with it,
+``KPoolConfig.from_record`` does (so fields added to the config survive a replay), and
+the flat fields must agree with it. The format stays ``sp_kpool.capture/1``: what is
+written has not changed since ``config`` was added, and both kinds of ``/1`` files load. Their serving-arm ids (``bf16-serving``, ``fp8``) were computed with the
 head gate rounded to the parameter dtype (they have no ``head_gate`` metadata); the
 replay keeps it FP32, as serving does, so their ids need not reproduce, and the parity
 report says why.
@@ -375,37 +378,21 @@ class Capture:
         return seq
 
     def config(self):
-        """The call's :class:`~sp_kpool.config.KPoolConfig`, resolved, as it ran."""
+        """The call's :class:`~sp_kpool.config.KPoolConfig`, resolved, as it ran: rebuilt by
+        ``KPoolConfig.from_record`` from metadata ``config`` (so no field is lost), or from
+        the flat fields in captures from before that record."""
         from .config import KPoolConfig
 
-        m = self.meta
-        return KPoolConfig(topk=m["topk"], kpool=m["kpool"], tail=m["tail"], order=m["order"], alignment=m["alignment"],
-                           precision=m["precision"], max_logits_bytes=m["max_logits_bytes"])  # fmt: skip
+        try:
+            return KPoolConfig.from_record(self.meta["config"])
+        except (TypeError, ValueError) as exc:
+            raise CaptureError(f"{self.path}: metadata 'config' is not a valid KPoolConfig ({exc})") from None
 
     def options(self):
         """The call's :class:`~sp_kpool.config.RunOptions` (the backend as requested)."""
         from .config import RunOptions
 
         return RunOptions.from_record({**self.meta["options"], "backend": self.meta["backend"]})
-
-    def indexer(self, device: torch.device | str = "cpu"):
-        """A ``KPoolIndexer`` with the captured parameters (dtypes kept), config and options."""
-        from .indexer import KPoolIndexer
-
-        m, cfg, opts = self.meta, self.config(), self.options()
-        wq, wk = self.params["wq_b.weight"], self.params["wk.weight"]
-        mod = KPoolIndexer(
-            hidden_size=wk.shape[1], q_lora_rank=wq.shape[1], index_n_heads=m["heads"],
-            index_head_dim=wk.shape[0], index_topk=cfg.topk, index_kpool=cfg.kpool,
-            tail=cfg.tail, order=cfg.order, alignment=cfg.alignment, max_logits_bytes=cfg.max_logits_bytes,
-            precision=cfg.precision, device="meta", capture_dir=None, **opts.record(),
-        )  # fmt: skip
-        mod._capture = None  # never re-capture a replay, whatever the environment says
-        mod.load_state_dict({n: t.to(device) for n, t in self.params.items()}, strict=True, assign=True)
-        for name in mod.FP32_PARAMETERS:  # assign= takes the stored dtype (older captures: BF16, exact in FP32)
-            p = mod.get_parameter(name)
-            p.data = p.data.float()
-        return mod.requires_grad_(False)
 
 
 def _fail(path: Path, what: str) -> CaptureError:
@@ -488,7 +475,32 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
         layout={k: v for k, v in tensors.items() if k.startswith("layout.")} or None,
     )  # fmt: skip
     _check_shapes(cap)
+    meta["config"] = _config_record(path, raw_meta, meta)  # after the flat fields' own checks
     return cap
+
+
+#: The config fields every capture also stores flat (the only ones of captures from before
+#: the ``config`` record).
+_FLAT_CONFIG = ("topk", "kpool", "tail", "order", "alignment", "precision", "max_logits_bytes")
+
+
+def _config_record(path: Path, raw_meta: dict[str, str], meta: dict[str, Any]) -> dict[str, Any]:
+    """The call's resolved :class:`~sp_kpool.config.KPoolConfig` record: metadata ``config``
+    (every field, the ones added after this reader too), checked against the flat fields;
+    in captures from before it, the flat fields."""
+    flat = {k: meta[k] for k in _FLAT_CONFIG}
+    if "config" not in raw_meta:
+        return flat
+    try:
+        record = json.loads(raw_meta["config"])
+        if not isinstance(record, dict):
+            raise ValueError
+    except ValueError:
+        raise _fail(path, f"metadata 'config': expected a JSON object, got {raw_meta['config'][:80]!r}") from None
+    differ = [f"{k}: {record[k]!r} vs {v!r}" for k, v in flat.items() if k in record and record[k] != v]
+    if differ:
+        raise _fail(path, "metadata 'config' disagrees with the flat metadata (config vs flat): " + "; ".join(differ))
+    return record
 
 
 def _check_shapes(c: Capture) -> None:

@@ -1,4 +1,4 @@
-"""Argument checks shared by the API, the module, the balance and the capture code.
+"""Argument checks shared by the API, the module, the balance, the capture code and the serving references.
 
 Each raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, bad value)
 with a message that names the argument, the expected and the actual value.
@@ -15,7 +15,14 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["check_int", "check_int_list", "check_choice", "check_tensor", "check_float_tensor"]
+__all__ = [
+    "check_int", "check_int_list", "check_choice", "check_tensor", "check_float_tensor", "check_is_tensor",
+    "check_float_dtype", "check_dtype", "check_ndim", "check_dim", "check_device", "check_positive_int",
+    "check_power_of_two", "FLOAT_DTYPES",
+]  # fmt: skip
+
+#: The floating dtypes :func:`check_float_dtype` accepts by default.
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def _is_bool(value) -> bool:
@@ -109,3 +116,58 @@ def check_float_tensor(name: str, x, shape: Sequence[int | None], device: torch.
     if isinstance(x, torch.Tensor) and not x.dtype.is_floating_point:
         raise TypeError(f"{name}: expected a floating-point dtype, got {x.dtype}")
     return check_tensor(name, x, shape, device, why=why)
+
+
+# ------------------------------------------------ single-property checks (the serving references)
+
+
+def check_is_tensor(name: str, t: object) -> torch.Tensor:
+    """``t`` if it is a ``torch.Tensor`` (``TypeError`` naming its type otherwise)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_float_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+    """``TypeError`` unless ``t.dtype`` is one of ``allowed`` (default :data:`FLOAT_DTYPES`)."""
+    if t.dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name}: expected dtype in ({names}), got {t.dtype}")
+
+
+def check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """``TypeError`` unless ``t.dtype`` is ``dtype``."""
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+
+
+def check_ndim(name: str, t: torch.Tensor, ndim: int, dims: str) -> None:
+    """``ValueError`` unless ``t`` has ``ndim`` dims (``dims`` names them, e.g. ``"[S, D]"``)."""
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims {dims}, got shape {tuple(t.shape)}")
+
+
+def check_dim(name: str, t: torch.Tensor, axis: int, expected: int, what: str) -> None:
+    """``ValueError`` unless ``t.shape[axis] == expected`` (``what`` says where it comes from)."""
+    if t.shape[axis] != expected:
+        raise ValueError(
+            f"{name}: expected size {expected} ({what}) at dim {axis}, got shape {tuple(t.shape)}"
+        )
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """``ValueError`` unless ``t`` is on ``device``."""
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def check_positive_int(name: str, value) -> None:
+    """``ValueError`` unless ``value`` is a Python ``int`` >= 1 (``bool`` refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def check_power_of_two(name: str, d: int) -> None:
+    """``ValueError`` unless ``d``, the size of ``name``'s last dim, is a power of two."""
+    if d < 1 or (d & (d - 1)) != 0:
+        raise ValueError(f"{name}: expected the last dim to be a power of two, got {d}")

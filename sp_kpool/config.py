@@ -19,10 +19,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .checks import check_choice, check_int
+from .registry import backend_names
 from .settings import PRECISIONS, Settings
 
 __all__ = [
-    "KPoolConfig", "RunOptions", "TAILS", "ORDERS", "GATHERS", "BALANCES", "MAX_WIDTH", "split_keywords", "output_width",
+    "KPoolConfig", "RunOptions", "TAILS", "ORDERS", "GATHERS", "BALANCES", "ROW_COST", "MAX_WIDTH", "split_keywords",
+    "output_width",
 ]  # fmt: skip
 
 #: ``tail=``: history in ``[0, topk)`` and the tail after it (``fixed``), or the tail right
@@ -40,6 +42,11 @@ UNUSED_FIRST = "ascending-unused-first"
 GATHERS = ("keys", "pools")
 #: ``balance=``: keep the contiguous split (``none``) or balance the causal work (``causal``).
 BALANCES = ("none", "causal")
+#: Default per-row constant of the balance work model (:mod:`sp_kpool.balance`), in units of
+#: one (row, pool) score: a row's own handling (query preparation, its Top-K output) that
+#: does not grow with its history. A backend's ``balance_row_cost`` defaults to it; here,
+#: at the bottom, so that the backend interface does not import the balance.
+ROW_COST = 1
 
 
 def output_width(topk: int, kpool: int, alignment: int) -> int:
@@ -162,7 +169,8 @@ class KPoolConfig:
 class RunOptions:
     """How one call is computed (validated on construction); no option changes an output bit.
 
-    backend: a registered backend name or ``"auto"`` (see ``python -m sp_kpool info``).
+    backend: a registered backend name (:mod:`sp_kpool.registry`) or ``"auto"`` (see
+        ``python -m sp_kpool info``).
     gather: one of :data:`GATHERS` (see :mod:`sp_kpool.pool_gather`).
     balance: one of :data:`BALANCES` (see :mod:`sp_kpool.balance`).
     balance_block: boundaries of the balanced split are multiples of this many rows
@@ -182,8 +190,6 @@ class RunOptions:
     check_finite: bool | None = None
 
     def __post_init__(self):
-        from .backends import backend_names  # here: the backends import this module
-
         if not isinstance(self.backend, str):
             raise TypeError(f"backend: expected a backend name (str), got {self.backend!r}")
         check_choice("backend", self.backend, backend_names())

@@ -44,12 +44,7 @@ from .pooling import extend_pools
 from .selection import RowMeta, row_meta
 
 __all__ = ["Chunk", "ChunkPlan", "TableCache", "Span", "plan_chunks", "row_spans", "grid_span", "pad_rows",
-           "round_rows", "row_ranges_torch"]  # fmt: skip
-
-
-def round_rows(rows: int) -> int:
-    """``rows`` rounded down to a multiple of 128 when >= 128 (whole kernel row groups)."""
-    return int(rows // 128 * 128 if rows >= 128 else max(1, rows))
+           "row_ranges_torch"]  # fmt: skip
 
 
 def grid_span(C: int, lo_row: int, hi_row: int) -> tuple[int, int]:

@@ -39,6 +39,10 @@ from collections.abc import Iterator
 
 import torch
 
+from .checks import (
+    check_device, check_dim, check_dtype, check_float_dtype, check_is_tensor, check_ndim, check_power_of_two,
+)  # fmt: skip
+
 __all__ = [
     "FP8_E4M3_MAX",
     "SCALE_ABSMAX_FLOOR",
@@ -58,7 +62,6 @@ FP8_E4M3_MAX = 448.0
 #: Lower bound applied to a vector's absmax before deriving its scale (contract §6 step 4).
 SCALE_ABSMAX_FLOOR = 1e-4
 
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # Dtypes whose conversion to FP32 is exact.
 _EXACT_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 _F32_EXP_MASK = 0x7F800000
@@ -91,52 +94,6 @@ def _fp32_region(device: torch.device) -> Iterator[None]:
             torch.set_float32_matmul_precision(previous)
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def _check_float(
-    name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = _FLOAT_DTYPES
-) -> None:
-    if t.dtype not in allowed:
-        names = ", ".join(str(d) for d in allowed)
-        raise TypeError(f"{name}: expected dtype in ({names}), got {t.dtype}")
-
-
-def _check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    if t.dtype != dtype:
-        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-
-
-def _check_ndim(name: str, t: torch.Tensor, ndim: int, dims: str) -> None:
-    if t.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims {dims}, got shape {tuple(t.shape)}")
-
-
-def _check_dim(name: str, t: torch.Tensor, axis: int, expected: int, what: str) -> None:
-    if t.shape[axis] != expected:
-        raise ValueError(
-            f"{name}: expected size {expected} ({what}) at dim {axis}, got shape {tuple(t.shape)}"
-        )
-
-
-def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-
-
-def _check_chunk_rows(chunk_rows: int) -> None:
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows: expected a positive int, got {chunk_rows!r}")
-
-
-def _check_power_of_two(name: str, d: int) -> None:
-    if d < 1 or (d & (d - 1)) != 0:
-        raise ValueError(f"{name}: expected the last dim to be a power of two, got {d}")
-
-
 # --------------------------------------------------------------------- primitives
 
 
@@ -160,12 +117,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: ``D`` is not a power of two (the message names it).
     """
-    x = _check_tensor("x", x)
-    _check_float("x", x)
+    x = check_is_tensor("x", x)
+    check_float_dtype("x", x)
     if x.dim() < 1:
         raise ValueError(f"x: expected at least 1 dim [..., D], got shape {tuple(x.shape)}")
     d = x.shape[-1]
-    _check_power_of_two("x", d)
+    check_power_of_two("x", d)
     lead = x.shape[:-1]
     with _fp32_region(x.device):
         y = x.float().contiguous()
@@ -194,8 +151,8 @@ def ue8m0_scale(absmax: torch.Tensor) -> torch.Tensor:
         smallest scale of ``2^-22`` (FP32(1e-4) / 448 ~ 2.23e-7). ``+inf`` maps to
         ``+inf`` and NaN to NaN.
     """
-    absmax = _check_tensor("absmax", absmax)
-    _check_float("absmax", absmax, _EXACT_TO_FP32)
+    absmax = check_is_tensor("absmax", absmax)
+    check_float_dtype("absmax", absmax, _EXACT_TO_FP32)
     with _fp32_region(absmax.device):
         s = torch.clamp_min(absmax.float(), _fp32_const(SCALE_ABSMAX_FLOOR)) / FP8_E4M3_MAX
         # s is positive and normal (>= 2^-23) or +inf; ceil to a power of two on the bits.
@@ -219,8 +176,8 @@ def quantize_e4m3(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.T
             the scale is a power of two; round to nearest even on conversion).
         scales: ``x.shape`` without ``dim``, float32: ``ue8m0_scale(amax(|x|, dim))``.
     """
-    x = _check_tensor("x", x)
-    _check_float("x", x, _EXACT_TO_FP32)
+    x = check_is_tensor("x", x)
+    check_float_dtype("x", x, _EXACT_TO_FP32)
     if x.dim() < 1:
         raise ValueError(f"x: expected at least 1 dim, got shape {tuple(x.shape)}")
     if not -x.dim() <= dim < x.dim():
@@ -243,29 +200,29 @@ def quantize_e4m3(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.T
 
 def _check_pool_args(k, gates, ape, pool_tok_start) -> tuple[torch.Tensor, ...]:
     """The arguments of the compression functions, checked (see :func:`compress_pools_decode`)."""
-    k = _check_tensor("k", k)
-    gates = _check_tensor("gates", gates)
-    ape = _check_tensor("ape", ape)
-    pool_tok_start = _check_tensor("pool_tok_start", pool_tok_start)
-    _check_float("k", k)
-    _check_float("gates", gates)
-    _check_float("ape", ape)
-    _check_dtype("pool_tok_start", pool_tok_start, torch.int64)
-    _check_ndim("k", k, 2, "[S, D]")
-    _check_ndim("gates", gates, 2, "[S, D]")
-    _check_ndim("ape", ape, 2, "[K, D]")
-    _check_ndim("pool_tok_start", pool_tok_start, 1, "[P]")
+    k = check_is_tensor("k", k)
+    gates = check_is_tensor("gates", gates)
+    ape = check_is_tensor("ape", ape)
+    pool_tok_start = check_is_tensor("pool_tok_start", pool_tok_start)
+    check_float_dtype("k", k)
+    check_float_dtype("gates", gates)
+    check_float_dtype("ape", ape)
+    check_dtype("pool_tok_start", pool_tok_start, torch.int64)
+    check_ndim("k", k, 2, "[S, D]")
+    check_ndim("gates", gates, 2, "[S, D]")
+    check_ndim("ape", ape, 2, "[K, D]")
+    check_ndim("pool_tok_start", pool_tok_start, 1, "[P]")
     s_tok, d = k.shape
     pool = ape.shape[0]
     if gates.shape != k.shape:
         raise ValueError(
             f"gates: expected shape {tuple(k.shape)} (same as k [S, D]), got {tuple(gates.shape)}"
         )
-    _check_dim("ape", ape, 1, d, "D")
+    check_dim("ape", ape, 1, d, "D")
     if pool < 1:
         raise ValueError(f"ape: expected K >= 1 rows [K, D], got shape {tuple(ape.shape)}")
     for name, t in (("gates", gates), ("ape", ape), ("pool_tok_start", pool_tok_start)):
-        _check_device(name, t, k.device)
+        check_device(name, t, k.device)
     if pool_tok_start.shape[0] > 0:
         lo, hi = torch.stack((pool_tok_start.min(), pool_tok_start.max())).tolist()
         if lo < 0 or hi > s_tok - pool:
@@ -379,10 +336,10 @@ def compress_pools_serving(k, gates, ape, pool_tok_start, extend: torch.Tensor |
     pooled = compress_pools_decode(k, gates, ape, pool_tok_start)
     if extend is None:
         return pooled
-    extend = _check_tensor("extend", extend)
-    _check_dtype("extend", extend, torch.bool)
-    _check_dim("extend", extend, 0, pool_tok_start.shape[0], "P of pool_tok_start")
-    _check_device("extend", extend, k.device)
+    extend = check_is_tensor("extend", extend)
+    check_dtype("extend", extend, torch.bool)
+    check_dim("extend", extend, 0, pool_tok_start.shape[0], "P of pool_tok_start")
+    check_device("extend", extend, k.device)
     return torch.where(extend[:, None], compress_pools_extend(k, gates, ape, pool_tok_start), pooled)
 
 
@@ -422,7 +379,7 @@ def prepare_pools_fp8(
         ``.to(bfloat16)`` -> :func:`quantize_e4m3` along ``D``. ``D`` must be a power of two.
     """
     pooled = compress_pools_serving(k, gates, ape, pool_tok_start, extend)
-    _check_power_of_two("k", pooled.shape[-1])
+    check_power_of_two("k", pooled.shape[-1])
     with _fp32_region(pooled.device):
         rotated = hadamard(pooled.to(torch.bfloat16).float()).to(torch.bfloat16).float()
         return quantize_e4m3(rotated, dim=-1)
@@ -448,20 +405,20 @@ def prepare_queries_fp8(
             ``((w.float() * fp32(H^-0.5)) * q_scale) * fp32(D^-0.5)``. ``q_scale`` is a
             power of two, so its product is exact barring under/overflow.
     """
-    q = _check_tensor("q", q)
-    head_weights = _check_tensor("head_weights", head_weights)
-    _check_float("q", q)
-    _check_float("head_weights", head_weights)
-    _check_ndim("q", q, 3, "[S, H, D]")
-    _check_ndim("head_weights", head_weights, 2, "[S, H]")
+    q = check_is_tensor("q", q)
+    head_weights = check_is_tensor("head_weights", head_weights)
+    check_float_dtype("q", q)
+    check_float_dtype("head_weights", head_weights)
+    check_ndim("q", q, 3, "[S, H, D]")
+    check_ndim("head_weights", head_weights, 2, "[S, H]")
     s_tok, heads, d = q.shape
     if head_weights.shape != (s_tok, heads):
         raise ValueError(
             f"head_weights: expected shape {(s_tok, heads)} ([S, H] of q), "
             f"got {tuple(head_weights.shape)}"
         )
-    _check_device("head_weights", head_weights, q.device)
-    _check_power_of_two("q", d)
+    check_device("head_weights", head_weights, q.device)
+    check_power_of_two("q", d)
     with _fp32_region(q.device):
         rotated = hadamard(q.float()).to(torch.bfloat16).float()
         q8, q_scale = quantize_e4m3(rotated, dim=-1)

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .serving import _check_chunk_rows, _check_device, _check_dim, _check_dtype, _check_float, _check_ndim, _check_tensor, _fp32_region, _inv_sqrt_fp32
+from .checks import (
+    check_device, check_dim, check_dtype, check_float_dtype, check_is_tensor, check_ndim, check_positive_int,
+)  # fmt: skip
+from .serving import _fp32_region, _inv_sqrt_fp32
 
 __all__ = ["mqa_logits_fp8_reference", "scores_bf16_serving"]
 
@@ -41,26 +44,26 @@ def mqa_logits_fp8_reference(
         ``k_scale``. No causal mask: restrict to valid slots yourself.
     """
     for name, t in (("q8", q8), ("weights", weights), ("k8", k8), ("k_scale", k_scale)):
-        _check_tensor(name, t)
-    _check_dtype("q8", q8, torch.float8_e4m3fn)
-    _check_dtype("weights", weights, torch.float32)
-    _check_dtype("k8", k8, torch.float8_e4m3fn)
-    _check_dtype("k_scale", k_scale, torch.float32)
-    _check_ndim("q8", q8, 3, "[S, H, D]")
-    _check_ndim("weights", weights, 2, "[S, H]")
-    _check_ndim("k8", k8, 2, "[P, D]")
-    _check_ndim("k_scale", k_scale, 1, "[P]")
-    _check_chunk_rows(chunk_rows)
+        check_is_tensor(name, t)
+    check_dtype("q8", q8, torch.float8_e4m3fn)
+    check_dtype("weights", weights, torch.float32)
+    check_dtype("k8", k8, torch.float8_e4m3fn)
+    check_dtype("k_scale", k_scale, torch.float32)
+    check_ndim("q8", q8, 3, "[S, H, D]")
+    check_ndim("weights", weights, 2, "[S, H]")
+    check_ndim("k8", k8, 2, "[P, D]")
+    check_ndim("k_scale", k_scale, 1, "[P]")
+    check_positive_int("chunk_rows", chunk_rows)
     s_tok, heads, d = q8.shape
     n_pools = k8.shape[0]
     if weights.shape != (s_tok, heads):
         raise ValueError(
             f"weights: expected shape {(s_tok, heads)} ([S, H] of q8), got {tuple(weights.shape)}"
         )
-    _check_dim("k8", k8, 1, d, "D of q8")
-    _check_dim("k_scale", k_scale, 0, n_pools, "P of k8")
+    check_dim("k8", k8, 1, d, "D of q8")
+    check_dim("k_scale", k_scale, 0, n_pools, "P of k8")
     for name, t in (("weights", weights), ("k8", k8), ("k_scale", k_scale)):
-        _check_device(name, t, q8.device)
+        check_device(name, t, q8.device)
     with _fp32_region(q8.device):
         out = torch.empty((s_tok, n_pools), dtype=torch.float32, device=q8.device)
         k_t = k8.float().t()
@@ -96,14 +99,14 @@ def scores_bf16_serving(
         times ``fp32(D^-0.5)``, ReLU, times ``w'[:, h]``, added to an FP32 accumulator.
     """
     for name, t in (("q", q), ("head_weights", head_weights), ("pools_bf16", pools_bf16)):
-        _check_tensor(name, t)
-    _check_float("q", q)
-    _check_float("head_weights", head_weights)
-    _check_float("pools_bf16", pools_bf16)
-    _check_ndim("q", q, 3, "[S, H, D]")
-    _check_ndim("head_weights", head_weights, 2, "[S, H]")
-    _check_ndim("pools_bf16", pools_bf16, 2, "[P, D]")
-    _check_chunk_rows(chunk_rows)
+        check_is_tensor(name, t)
+    check_float_dtype("q", q)
+    check_float_dtype("head_weights", head_weights)
+    check_float_dtype("pools_bf16", pools_bf16)
+    check_ndim("q", q, 3, "[S, H, D]")
+    check_ndim("head_weights", head_weights, 2, "[S, H]")
+    check_ndim("pools_bf16", pools_bf16, 2, "[P, D]")
+    check_positive_int("chunk_rows", chunk_rows)
     s_tok, heads, d = q.shape
     n_pools = pools_bf16.shape[0]
     if head_weights.shape != (s_tok, heads):
@@ -111,9 +114,9 @@ def scores_bf16_serving(
             f"head_weights: expected shape {(s_tok, heads)} ([S, H] of q), "
             f"got {tuple(head_weights.shape)}"
         )
-    _check_dim("pools_bf16", pools_bf16, 1, d, "D of q")
+    check_dim("pools_bf16", pools_bf16, 1, d, "D of q")
     for name, t in (("head_weights", head_weights), ("pools_bf16", pools_bf16)):
-        _check_device(name, t, q.device)
+        check_device(name, t, q.device)
     c_d = _inv_sqrt_fp32(d)
     with _fp32_region(q.device):
         out = torch.empty((s_tok, n_pools), dtype=torch.float32, device=q.device)

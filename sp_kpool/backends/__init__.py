@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 
+from ..registry import BACKENDS, backend_names
 from .base import Backend, Problem
 from .deepgemm_backend import DeepGemmBackend
 from .tilelang_backend import TileLangBackend
@@ -18,14 +19,9 @@ from .torch_backend import TorchBackend
 
 __all__ = ["Backend", "Problem", "BACKENDS", "resolve_backend", "backend_names"]
 
-#: Registered backends by name, in no particular order (priority decides ``auto``).
-BACKENDS: dict[str, Backend] = {b.name: b for b in (TorchBackend(), TileLangBackend(), DeepGemmBackend())}
+# the registry (sp_kpool.registry, where RunOptions reads the names) filled with the built-in backends
+BACKENDS.update((b.name, b) for b in (TorchBackend(), TileLangBackend(), DeepGemmBackend()))
 _warned: set = set()
-
-
-def backend_names() -> list[str]:
-    """Names accepted by ``backend=``: ``"auto"`` and every registered backend."""
-    return ["auto", *BACKENDS]
 
 
 def resolve_backend(name: str, problem: Problem) -> Backend:

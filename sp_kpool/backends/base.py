@@ -17,21 +17,27 @@ backend and every sharding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..balance import ROW_COST
-from ..config import KPoolConfig
-from ..plan import round_rows
+from ..config import ROW_COST, KPoolConfig
+from ..selectors import _radix_selector
 from ..settings import Settings, current_settings
-from ..sharding import ShardedSequence
+
+if TYPE_CHECKING:  # the sharding sits above the backend interface (it calls the pipeline)
+    from ..sharding import ShardedSequence
 
 __all__ = ["Problem", "Backend", "Pools", "Queries", "ChunkScores", "PoolInputs", "QueryInputs", "MAX_CHUNK_ROWS",
-           "budget_chunk_rows"]  # fmt: skip
+           "budget_chunk_rows", "round_rows"]  # fmt: skip
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
 MAX_CHUNK_ROWS = 512
+
+
+def round_rows(rows: int) -> int:
+    """``rows`` rounded down to a multiple of 128 when >= 128 (whole kernel row groups)."""
+    return int(rows // 128 * 128 if rows >= 128 else max(1, rows))
 
 
 @dataclass
@@ -216,8 +222,6 @@ class Backend:
         if problem.precision not in self.precisions:
             reasons.append(f"precision {problem.precision!r} not implemented (has {list(self.precisions)})")
         if problem.order == "serving":
-            from ..selectors import _radix_selector
-
             k = problem.topk // problem.kpool
             if problem.device.type != "cuda":
                 reasons.append(f"order 'serving' needs the CUDA serving selector, inputs are on {problem.device}")

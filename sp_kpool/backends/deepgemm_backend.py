@@ -20,10 +20,9 @@ import functools
 import torch
 
 from .._probe import cuda_reason, probe
-from ..plan import round_rows
 from ..selectors import reads_row_ranges_only
 from . import deepgemm_api
-from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
+from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs, round_rows
 from .deepgemm_logits import logits_bytes, logits_chunk_rows
 
 __all__ = ["DeepGemmBackend", "mqa_api"]

@@ -12,7 +12,8 @@ The package, by concern:
 - :mod:`.report`: :func:`format_table`, :func:`write_outputs` (a JSON-ready dict as
   ``parity.json``, the table as ``parity.txt``, two PNG plots: per-query Jaccard overlap vs
   position; histogram of ``log10 |A - B|`` over valid score slots);
-- :mod:`.synthetic`: :func:`make_synthetic_capture`, random real-shaped capture files.
+- :mod:`.synthetic`: :func:`make_synthetic_capture`, random real-shaped capture files;
+- :mod:`.rebuild`: :func:`~.rebuild.rebuild_indexer`, the ``KPoolIndexer`` of a capture.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from ..scoring import chunk_calls, score_chunk
 from ..selection import row_meta
 from ..serving import hadamard
 from .arms import Arm, _ArmRun, _device, _run_arm, schedule_of
+from .rebuild import rebuild_indexer
 
 __all__ = ["replay", "selected_pool_sets", "stderr_progress", "HIST_EDGES"]
 
@@ -359,7 +360,7 @@ def replay(
     real_cu = seq.real_cu_seq_lens
     pts, offs = pool_table(real_cu, K)
     P = pts.numel()
-    indexer = target.indexer(dev)
+    indexer = rebuild_indexer(target, dev)
     say(
         f"rank {target.rank}/{target.world_size}: {seq.shard_size} rows, {P} pools, H={m['heads']} "
         f"D={indexer.head_dim} K={K} T={T}; {len(captures)} file(s) on {dev}"

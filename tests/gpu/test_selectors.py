@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sp_kpool.selection import topk_pools
-from sp_kpool.testing.bench import ascending_pools
+from sp_kpool.testing.bench_inputs import ascending_pools
 
 pytestmark = pytest.mark.xdist_group("gpu")
 LEVELS = (3, 1000, 10**7)

@@ -14,6 +14,7 @@ from sp_kpool.backends.torch_backend import TorchBackend
 from sp_kpool.capture import CaptureError, enable, load_capture, load_capture_set
 from sp_kpool.cli import main
 from sp_kpool.parity import Arm, format_table, make_synthetic_capture, replay, write_outputs
+from sp_kpool.parity.rebuild import rebuild_indexer
 from sp_kpool.testing.dist import run_ranks
 
 HIDDEN, Q_LORA, H, D, K, T = 32, 24, 8, 16, 4, 16  # D a power of two (fp8); H >= 8 (contract §9)
@@ -71,7 +72,7 @@ def test_capture_round_trip_keeps_result_and_inputs(captured, tmp_path):
     assert set(c.params) == set(state) and len(state) == 7
     assert all(torch.equal(c.params[n], state[n]) for n in state)
     assert (c.meta["precision"], c.meta["backend_resolved"], c.meta["topk"], c.meta["kpool"], c.meta["heads"]) == ("fp8", "torch", T, K, H)
-    rebuilt = c.indexer("cpu")
+    rebuilt = rebuild_indexer(c, "cpu")
     assert rebuilt._capture is None and all(torch.equal(rebuilt.state_dict()[n], state[n]) for n in state)
     rep = replay(path, "fp8:torch", "bf16", repeat=False)
     assert rep["arms"]["A"]["reproduces_captured_ids"] is True
@@ -522,3 +523,62 @@ def test_cli_help_shows_defaults(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert "(default: 0)" in text  # --seed
         assert ("(default: fp8)" in text) if cmd == "parity" else ("(default: 4099)" in text)
+
+
+def _rewritten(path, tmp_path, name, edit):
+    """A copy of the capture ``path`` whose metadata ``edit(meta)`` changed (in place)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = dict(fh.metadata())
+        tensors = {n: fh.get_tensor(n) for n in fh.keys()}
+    edit(meta)
+    out = tmp_path / name / path.name
+    out.parent.mkdir()
+    save_file(tensors, str(out), metadata=meta)
+    return out
+
+
+def test_the_config_round_trips_through_its_record_in_each_kind_of_capture(captured, tmp_path, monkeypatch):
+    """``sp_kpool.capture/1`` files with the ``config`` record (written now) rebuild the
+    config with ``KPoolConfig.from_record`` (a field added to the config survives the
+    replay); those from before it, from the flat fields; both replay alike. A record that
+    disagrees with the flat fields is refused, naming both."""
+    import dataclasses
+    import json
+
+    import sp_kpool.config
+    from sp_kpool.capture import FORMAT
+    from sp_kpool.config import KPoolConfig
+
+    path, _, m = captured[:3]
+    new = load_capture(path)
+    assert FORMAT == "sp_kpool.capture/1"  # what is written is unchanged: no new version
+    want = m.config.resolve(m.settings, torch.device("cpu"))
+    assert new.config() == want == KPoolConfig.from_record(new.meta["config"])
+    old = load_capture(_rewritten(path, tmp_path, "old", lambda meta: meta.pop("config")))
+    assert old.config() == want and old.meta["config"] == {k: getattr(want, k) for k in old.meta["config"]}
+    a, b = (replay(p.path, "fp8:torch", "bf16:torch", repeat=False) for p in (new, old))
+    assert a["diff"] == b["diff"] and a["arms"]["A"]["reproduces_captured_ids"] is True
+
+    @dataclasses.dataclass(frozen=True)
+    class Later(KPoolConfig):  # the config of a later version, with one field more
+        later_field: int = 0
+
+    def add_field(meta):
+        meta["config"] = json.dumps({**json.loads(meta["config"]), "later_field": 7})
+
+    later = _rewritten(path, tmp_path, "later", add_field)
+    assert load_capture(later).config() == want  # today's config: the unknown field is ignored
+    monkeypatch.setattr(sp_kpool.config, "KPoolConfig", Later)
+    assert load_capture(later).config().later_field == 7  # rebuilt from the record, not field by field
+
+    def disagree(meta):
+        meta["config"] = json.dumps({**json.loads(meta["config"]), "alignment": 64})
+
+    with pytest.raises(CaptureError, match=r"metadata 'config' disagrees with the flat metadata \(config vs flat\): "
+                                           r"alignment: 64 vs 1"):  # fmt: skip
+        load_capture(_rewritten(path, tmp_path, "disagree", disagree))
+    with pytest.raises(CaptureError, match=r"metadata 'config': expected a JSON object, got '\[1\]'"):
+        load_capture(_rewritten(path, tmp_path, "notjson", lambda meta: meta.update(config="[1]")))

@@ -505,3 +505,30 @@ def test_scoring_validation_names_the_argument():
         serving.prepare_queries_fp8(torch.zeros(4, 2, 12), torch.zeros(4, 2))
     with pytest.raises(ValueError, match="pools_bf16"):
         serving_scores.scores_bf16_serving(torch.zeros(4, 2, 8), w, torch.zeros(3, 16))
+
+
+def test_serving_argument_errors_name_the_argument():
+    """The serving references check their arguments with :mod:`sp_kpool.checks` (one place
+    for argument checks); the messages name the argument, the expected and the actual value."""
+    f32, i64 = torch.zeros(4, 8), torch.zeros(2, dtype=torch.int64)
+    cases = [
+        (lambda: serving.hadamard([1.0]), TypeError, "x: expected a torch.Tensor, got list"),
+        (lambda: serving.hadamard(torch.zeros(4, 8, dtype=torch.int32)), TypeError,
+         "x: expected dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16), got torch.int32"),
+        (lambda: serving.hadamard(torch.zeros(4, 6)), ValueError, "x: expected the last dim to be a power of two, got 6"),
+        (lambda: serving.compress_pools_serving(f32, f32, torch.zeros(4, 8), i64.int()), TypeError,
+         "pool_tok_start: expected dtype torch.int64, got torch.int32"),
+        (lambda: serving.compress_pools_serving(f32[0], f32, torch.zeros(4, 8), i64), ValueError,
+         "k: expected 2 dims [S, D], got shape (8,)"),
+        (lambda: serving.compress_pools_serving(f32, f32, torch.zeros(4, 6), i64), ValueError,
+         "ape: expected size 8 (D) at dim 1, got shape (4, 6)"),
+        (lambda: serving.compress_pools_serving(f32, f32, torch.zeros(4, 8, device="meta"), i64), ValueError,
+         "ape: expected device cpu, got meta"),
+        (lambda: serving_scores.mqa_logits_fp8_reference(
+            torch.zeros(2, 1, 8).to(torch.float8_e4m3fn), torch.zeros(2, 1), torch.zeros(3, 8).to(torch.float8_e4m3fn),
+            torch.zeros(3), chunk_rows=0), ValueError, "chunk_rows: expected a positive int, got 0"),
+    ]  # fmt: skip
+    for call, exc, text in cases:
+        with pytest.raises(exc) as info:
+            call()
+        assert str(info.value) == text

@@ -1,180 +1,24 @@
-"""Shared helpers of the benchmark scripts (``scripts/bench*.py``, ``scripts/ncu_select.py``)
-and the GPU tests (``tests/gpu``).
+"""Reports of ``scripts/bench.py`` runs: the per-rank results summarized, ratios, one
+line per run, the fit of the balance work model, JSON, markdown and plots
+(``scripts/bench_report.py`` re-draws or merges finished runs with them).
 
-The scripts are users of the package (``pip install -e .``) and import only public names;
-what they share lives here rather than in one script imported by another.
+:func:`summarize`, :func:`add_ratios`, :func:`one_line`, :func:`fit_row_cost`,
+:func:`write_outputs`, :func:`markdown`, :func:`draw`; :data:`STAGES`, the stages a run
+times. The timing itself is :mod:`.bench_timing`'s.
 
-Timing (CUDA):
-  :func:`median_ms` (CUDA events), :func:`host_ahead_ms` (the host ahead of the device),
-  :func:`do_bench_ms` (``triton.testing.do_bench``).
-Output and launch options:
-  :func:`log`, :func:`save`, :func:`package_versions`, :func:`launch_kwargs`.
-Selector inputs and references:
-  :func:`selector_logits` (logits like one scoring chunk of the reference workload),
-  :func:`ascending_pools`, :func:`exact_ascending` (the exact Top-K in ascending order).
-Communication:
-  :func:`gather_into_tensor` (the all-gather collective the package uses).
-Reports of ``scripts/bench.py`` runs:
-  :func:`summarize`, :func:`add_ratios`, :func:`one_line`, :func:`fit_row_cost`,
-  :func:`write_outputs`, :func:`markdown`, :func:`draw` (``scripts/bench_report.py``
-  re-draws or merges finished runs with them).
-
-Nothing here is imported by ``import sp_kpool``; matplotlib and triton are imported only
-by the functions that need them.
+Nothing here is imported by ``import sp_kpool``; matplotlib is imported only by
+:func:`draw`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
 
-__all__ = [
-    "STAGES", "log", "save", "package_versions", "launch_kwargs", "median_ms", "host_ahead_ms", "do_bench_ms",
-    "selector_logits", "ascending_pools", "exact_ascending", "gather_into_tensor", "summarize", "add_ratios",
-    "one_line", "fit_row_cost", "write_outputs", "markdown", "draw",
-]  # fmt: skip
+__all__ = ["STAGES", "summarize", "add_ratios", "one_line", "fit_row_cost", "write_outputs", "markdown", "draw"]
 
-# ------------------------------------------------------------------------ output
-
-
-def log(msg) -> None:
-    """Print ``msg`` and flush (progress lines of long GPU runs)."""
-    print(msg, flush=True)
-
-
-def save(res, out_dir: str, name: str) -> None:
-    """Write ``res`` as ``out_dir/name`` (indented JSON)."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, name), "w") as f:
-        json.dump(res, f, indent=1)
-
-
-def package_versions(modules=("triton", "tilelang", "deep_gemm", "lmdeploy")) -> dict:
-    """``{module: __version__}`` of the optional packages (``"unavailable (Error)"`` where
-    one does not import)."""
-    out = {}
-    for mod in modules:
-        try:
-            out[mod] = getattr(__import__(mod), "__version__", "?")
-        except Exception as exc:  # noqa: BLE001 - a broken build may raise anything
-            out[mod] = f"unavailable ({type(exc).__name__})"
-    return out
-
-
-def launch_kwargs(opts) -> dict:
-    """``{'name': value}`` of ``['name=value', ...]``: integers where the value is one, else
-    the string (``ways=3``, ``tile=1024``)."""
-    return {n: int(v) if v.lstrip("-").isdigit() else v for n, v in (o.split("=", 1) for o in opts)}
-
-
-# ------------------------------------------------------------------------ timing
-
-
-def median_ms(fn, reps: int = 10, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs (CUDA events,
-    the device synchronized before the first)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def host_ahead_ms(fn, reps: int = 5) -> tuple[float, float]:
-    """``(device ms, host ms)`` medians of ``fn()`` when the host is ahead of the device, as
-    in a model's forward pass where earlier layers still run: a ~10 ms device sleep is
-    queued before the start event, so the call's host work before its first kernel
-    overlaps it. A host time close to the sleep or longer means the call waited for the
-    device somewhere."""
-    fn()
-    torch.cuda.synchronize()
-    times, host = [], []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(20_000_000)
-        a.record()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2], sorted(host)[len(host) // 2]
-
-
-def do_bench_ms(fn) -> float:
-    """Median milliseconds of ``fn()`` by ``triton.testing.do_bench`` (the measurement of the
-    field's kernel benchmarks): calls queued back to back, each after a flush of the L2
-    cache, so the host runs ahead of the device and the events time the device's work."""
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-# ------------------------------------------------------------- selector inputs
-
-
-def selector_logits(rows: int, pools: int, levels: int, seed: int, device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scores [rows, pools] fp32, ends [rows] int32)`` like one scoring chunk of the
-    reference workload: row ``r`` visible on ``[0, ends[r])`` with ``ends`` from ``3/4 *
-    pools`` to ``pools`` (``-inf`` elsewhere). ``levels`` 0: ``sum_h w_h ReLU(x_h)`` of 8
-    heads (smooth, few exact ties); else integers in ``[-levels, levels)`` (heavy ties)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    ends = torch.linspace(pools * 3 // 4, pools, rows, device=device).round().int()
-    if levels:
-        s = torch.randint(-levels, levels, (rows, pools), generator=g, device=device).float()
-    else:
-        s = torch.zeros(rows, pools, device=device)
-        for _ in range(8):
-            s += torch.randn(rows, 1, generator=g, device=device) * torch.randn(rows, pools, generator=g, device=device).relu_()
-    cols = torch.arange(pools, device=device)
-    return s.masked_fill_(cols[None] >= ends[:, None], -float("inf")), ends
-
-
-def ascending_pools(pools: torch.Tensor) -> torch.Tensor:
-    """``pools`` (``-1`` unused) sorted ascending along the last axis, the ``-1`` last: the
-    layout of ``topk_ascending``'s output."""
-    from ..selection import _ascending
-
-    return _ascending(pools)
-
-
-def exact_ascending(scores: torch.Tensor, visible: torch.Tensor, k: int, base, block: int = 2048) -> torch.Tensor:
-    """The exact Top-K (``selection.topk_pools``: int64 keys, ties to the lower column) of
-    each row, ascending, ``-1`` last, int32: the answer ``topk_ascending`` must give.
-    Rows in blocks of ``block`` (bounded int64 scratch)."""
-    from ..selection import topk_pools
-
-    out = []
-    for i in range(0, scores.shape[0], block):
-        p, _ = topk_pools(scores[i : i + block], visible[i : i + block], k, base)
-        out.append(ascending_pools(p).int())
-    return torch.cat(out)
-
-
-# ----------------------------------------------------------------- communication
-
-
-def gather_into_tensor():
-    """The all-gather collective the package's gathers use: ``dist.all_gather_single``
-    (torch >= 2.13) or ``dist.all_gather_into_tensor``; called as ``fn(out, src, group=)``."""
-    from ..comm import _gather_into_tensor
-
-    return _gather_into_tensor()
-
-
-# ----------------------------------------------------------- reports of bench.py
 
 STAGES = ("gather", "seam", "pool", "balance_exchange", "score", "select", "balance_route", "expand")
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

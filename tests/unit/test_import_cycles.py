@@ -1,0 +1,222 @@
+"""Imports inside ``sp_kpool`` flow one way: the module-level imports form a DAG.
+
+Every module of the package is parsed (``ast``, nothing is imported) and its imports of
+other ``sp_kpool`` modules are sorted into module-level ones (run when the module is
+imported; ``if TYPE_CHECKING:`` blocks excluded, they never run) and function-level ones
+(lazy: run when the function is called). Module-level imports must form a DAG; a cycle
+fails the test, naming it. Lazy imports are allowed and listed
+(``pytest -s tests/unit/test_import_cycles.py``), as are the layers of the package; a lazy
+import that closes a cycle (an import that points back up) must be one of
+:data:`LAZY_BACK_EDGES`, each with its reason.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "sp_kpool"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+
+#: The lazy imports that point back up the layers, and why each is one (nothing else may
+#: close a cycle, even lazily).
+LAZY_BACK_EDGES = {
+    # the sequence's methods that run collectives or build the operator's arguments; they
+    # move out with the per-batch object (issue 29), which holds what is derived per batch
+    ("sharding", "agreement"): "ShardedSequence.check_agreement: the agreement codes of the sequence",
+    ("sharding", "comm"): "ShardedSequence: gathers of positions and keys over the group",
+    ("sharding", "op"): "ShardedSequence: the custom operator's sequence arguments",
+    # the torch.library operator registers at import and runs the pipeline when called
+    ("op", "pipeline"): "the operator's eager body is the pipeline",
+    ("op", "sharding"): "the operator rebuilds the ShardedSequence from its arguments",
+}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")  # fmt: skip
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> list[str]:
+    """The ``sp_kpool`` modules that ``node`` (in ``module``) imports: ``from . import x``
+    imports the submodule ``x`` when it is one, else the package itself."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == PACKAGE]
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    if target.split(".")[0] != PACKAGE:
+        return []
+    out = []
+    for a in node.names:
+        sub = f"{target}.{a.name}"
+        out.append(sub if sub in known else target)
+    return out
+
+
+def import_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """``(module_level, lazy)``: for each module of the package under ``root``, the package
+    modules it imports at module level, and those it imports inside functions only.
+    Importing ``a.b.c`` also runs ``a.b`` and ``a``: a module-level edge to each package
+    on the way is added (a package ``__init__`` is a module like any other)."""
+    paths = sorted(root.rglob("*.py"))
+    names = {_module_name(p, root): p for p in paths}
+    known = set(names)
+    top: dict[str, set[str]] = {m: set() for m in names}
+    lazy: dict[str, set[str]] = {m: set() for m in names}
+
+    def visit(node: ast.AST, module: str, is_package: bool, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for c in child.orelse:  # the ``else`` of ``if TYPE_CHECKING`` runs
+                    visit(ast.Module(body=[c], type_ignores=[]), module, is_package, in_function)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for t in _targets(child, module, is_package, known):
+                    chain = [".".join(t.split(".")[:i]) for i in range(1, t.count(".") + 2)]
+                    for m in chain:
+                        if m in known and m != module and not module.startswith(m + "."):
+                            (lazy if in_function else top)[module].add(m)
+                continue
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            visit(child, module, is_package, inner)
+
+    for module, path in names.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        visit(tree, module, path.name == "__init__.py", False)
+    for module in names:
+        lazy[module] -= top[module]
+    return top, lazy
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or ``None`` if it is a DAG."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def dfs(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state:
+                found = dfs(n)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = dfs(m)
+            if found:
+                return found
+    return None
+
+
+def layers(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules of a DAG by layer, bottom first: a module's layer is one above the
+    highest layer it imports (0: imports no package module)."""
+    level: dict[str, int] = {}
+
+    def depth(m: str) -> int:
+        if m not in level:
+            level[m] = 1 + max((depth(n) for n in graph[m]), default=-1)
+        return level[m]
+
+    for m in graph:
+        depth(m)
+    out: list[list[str]] = [[] for _ in range(max(level.values(), default=-1) + 1)]
+    for m in sorted(level):
+        out[level[m]].append(m)
+    return out
+
+
+def test_module_level_imports_form_a_dag():
+    top, lazy = import_graph()
+    assert len(top) > 30 and f"{PACKAGE}.config" in top  # the walk found the package
+    cycle = find_cycle(top)
+    assert cycle is None, "module-level import cycle in sp_kpool: " + " -> ".join(cycle)
+    print("\nlayers of sp_kpool, bottom first (module-level imports):")
+    for i, mods in enumerate(layers(top)):
+        print(f"  {i}: {', '.join(m.removeprefix(PACKAGE + '.') for m in mods)}")
+    print("function-level (lazy) imports:")
+    for m in sorted(lazy):
+        if lazy[m]:
+            print(f"  {m} -> {', '.join(sorted(lazy[m]))}")
+
+
+def test_lazy_imports_close_no_cycle_but_the_listed_ones():
+    top, lazy = import_graph()
+    allowed = {(f"{PACKAGE}.{a}", f"{PACKAGE}.{b}") for a, b in LAZY_BACK_EDGES}
+    graph = {m: top[m] | {n for n in lazy[m] if (m, n) not in allowed} for m in top}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle through a lazy import in sp_kpool: " + " -> ".join(cycle)
+    for a, b in allowed:  # each listed one is still there, and still lazy
+        assert b in lazy[a], f"{a} -> {b} is listed in LAZY_BACK_EDGES but is no lazy import: drop it"
+
+
+def test_the_low_modules_stay_low():
+    """The leaves import nothing but leaves, and the backend interface sits below the
+    pipeline (lazy imports included: a lazy import of the pipeline is still one)."""
+    top, lazy = import_graph()
+
+    def reach(m: str) -> set[str]:
+        seen, todo = set(), [m]
+        while todo:
+            m = todo.pop()
+            for n in (top[m] | lazy[m]) - seen:
+                seen.add(n)
+                todo.append(n)
+        return seen
+
+    leaves = {f"{PACKAGE}.{m}" for m in ("settings", "checks", "config", "layouts", "registry")}
+    for leaf in leaves:
+        assert reach(leaf) <= leaves, f"{leaf} imports {sorted(reach(leaf) - leaves)}"
+    above = {f"{PACKAGE}.{m}" for m in ("pipeline", "agreement", "api", "indexer", "capture", "balance", "plan",
+                                         "sharding", "comm", "scoring", "selection", "backends")}  # fmt: skip
+    assert not reach(f"{PACKAGE}.backends.base") & above, sorted(reach(f"{PACKAGE}.backends.base") & above)
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = root / PACKAGE / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root / PACKAGE
+
+
+@pytest.mark.parametrize("b_text, cycle", [
+    ("from . import a\n", ["sp_kpool.a", "sp_kpool.b", "sp_kpool.a"]),
+    ("from .a import X\n", ["sp_kpool.a", "sp_kpool.b", "sp_kpool.a"]),
+    ("import sp_kpool.a\n", ["sp_kpool.a", "sp_kpool.b", "sp_kpool.a"]),
+    ("def f():\n    from . import a\n", None),  # lazy: allowed, listed
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import X\n", None),  # type only
+])  # fmt: skip
+def test_the_walk_finds_cycles_and_tells_lazy_imports_apart(tmp_path, b_text, cycle):
+    root = _write(tmp_path, {"__init__.py": "", "a.py": "from .b import Y\nX = 1\n", "b.py": b_text})
+    top, lazy = import_graph(root)
+    assert find_cycle(top) == cycle
+    assert lazy["sp_kpool.b"] == ({"sp_kpool.a"} if "def f" in b_text else set())
+
+
+def test_a_package_init_is_part_of_the_graph(tmp_path):
+    """``from .sub.x import Y`` runs ``sub/__init__``: a cycle through a package init counts."""
+    root = _write(tmp_path, {"__init__.py": "", "a.py": "from .sub.x import Y\n", "sub/__init__.py": "from ..a import Z\n",
+                             "sub/x.py": "Y = 1\n"})  # fmt: skip
+    top, _ = import_graph(root)
+    assert find_cycle(top) == ["sp_kpool.a", "sp_kpool.sub", "sp_kpool.a"]
