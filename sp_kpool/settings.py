@@ -47,7 +47,6 @@ of changing the environment.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -272,9 +271,18 @@ def _show(value) -> str:
     return str(value)
 
 
-@functools.lru_cache(maxsize=1)
+_CURRENT: list[Settings] = []  # the cached process settings (empty until the first call)
+
+
 def current_settings() -> Settings:
-    """The process settings, read from the environment at the first call, then cached. A
-    variable that cannot be read takes its default and its error is kept in
-    ``env_error`` (raised by the operator inside its agreement: every rank alike)."""
-    return Settings.from_env(strict=False)
+    """The process settings, read from the environment at the first call, then cached
+    (``current_settings.cache_clear()`` forgets them). A variable that cannot be read takes
+    its default and its error is kept in ``env_error`` (raised by the operator inside its
+    agreement: every rank alike). A plain cache rather than ``functools.lru_cache``, which
+    ``torch.compile`` traces through with a warning."""
+    if not _CURRENT:
+        _CURRENT.append(Settings.from_env(strict=False))
+    return _CURRENT[0]
+
+
+current_settings.cache_clear = _CURRENT.clear  # type: ignore[attr-defined]
