@@ -24,6 +24,7 @@ from .config import KPoolConfig, RunOptions, split_keywords
 from .layouts import LAYOUTS
 from .settings import Settings, current_settings
 from .sharding import ShardedSequence
+from .timing import RunRecord
 
 __all__ = ["Call", "num_pools", "validate_and_agree", "fail_on_every_rank", "call_of", "MAX_PADDED_OUTPUT_ENTRIES"]
 
@@ -42,7 +43,8 @@ MAX_PADDED_OUTPUT_ENTRIES = 2**31 - 1
 class Call:
     """One validated call: the problem, the resolved backend and options, the scoring
     chunk rows ``C`` (``None`` without pools), the number of pools, the balance partition
-    (``None`` unless ``balance="causal"`` with several ranks) and the bytes counter."""
+    (``None`` unless ``balance="causal"`` with several ranks), the bytes counter, and the
+    :class:`~sp_kpool.timing.RunRecord` the stages fill (stage times, selector counters)."""
 
     problem: Problem
     backend: Backend
@@ -52,6 +54,7 @@ class Call:
     partition: CausalPartition | None
     counter: CommStats | None
     check_finite: bool = False
+    record: RunRecord = dataclasses.field(default_factory=RunRecord)
 
     @property
     def balanced(self) -> bool:
@@ -333,7 +336,7 @@ def validate_and_agree(q, k, gates, head_weights, ape, seq, config: KPoolConfig 
     tensors = {"q": q, "k": k, "gates": gates, "head_weights": head_weights, "ape": ape}
     _agree(seq, error, _signature(q, seq, call, tensors), settings, call.counter if call is not None else None)
     if stats is not None:  # the stages time themselves (device synchronized) into this dict
-        call.problem.stage_times = {}
+        call.record.stage_times = {}
     return call
 
 
