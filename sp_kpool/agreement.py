@@ -17,7 +17,7 @@ import torch
 
 from .backends import resolve_backend
 from .backends.base import Backend, Problem
-from .balance import CausalPartition, causal_partition, owned_work
+from .balance import CausalPartition, owned_work, sequence_partition
 from .checks import check_float_tensor
 from .comm import CommStats, agree_or_raise, take_rows
 from .config import KPoolConfig, RunOptions, split_keywords
@@ -251,11 +251,11 @@ def call_of(problem: Problem, options: RunOptions, counter: CommStats | None = N
             row_cost = backend.balance_row_cost
         if P >= 2**31:
             raise ValueError(f"balance: at most 2**31 - 1 pools supported, got {P}")
-        owned = None if seq.is_contiguous else owned_work(seq, config.kpool, row_cost)
-        part = causal_partition(
-            seq.real_cu_seq_lens, kpool=config.kpool, world_size=seq.world_size,
-            shard_size=-(-seq.num_real_tokens // seq.world_size) if owned else seq.shard_size, block=block,
-            row_cost=row_cost, owned=owned,
+        cache = problem.settings.table_cache  # the row work and the partition: once per batch (seq.batch)
+        owned = None if seq.is_contiguous else owned_work(seq, config.kpool, row_cost, cache=cache)
+        part = sequence_partition(
+            seq, kpool=config.kpool, shard_size=-(-seq.num_real_tokens // seq.world_size) if owned else seq.shard_size,
+            block=block, row_cost=row_cost, owned=owned, cache=cache,
         )  # fmt: skip
     return Call(problem, backend, options, chunk, P, part, counter)
 

@@ -52,10 +52,10 @@ import torch
 from ._device import to_device
 from .agreement import Call, call_of, fail_on_every_rank, num_pools, validate_and_agree
 from .backends.base import PoolInputs, Pools, Problem, Queries, QueryInputs
-from .balance import move_queries, route_pools, row_work_prefix
+from .balance import move_queries, route_pools, row_work
 from .comm import gather_keys, real_order, take_rows
 from .config import KPoolConfig, RunOptions
-from .plan import ChunkPlan, Span, plan_chunks, row_spans
+from .plan import ChunkPlan, Span, plan_chunks, rank_spans
 from .pool_gather import gather_pools, pool_owners, pool_shards
 from .pooling import pool_table
 from .scoring import select_chunks
@@ -120,15 +120,12 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
         with stage(record, "balance_exchange", device):
             q_rows, w_rows = move_queries(problem, computed, counter)
         spans = [Span(*computed[seq.rank])]
-    elif seq.is_contiguous:  # the real rows are the first rows of the shard
-        q_rows, w_rows = q[: owned.numel()], head_weights[: owned.numel()]
-        spans = row_spans(seq.runs, C)
     else:
-        q_rows, w_rows = take_rows(q, seq.storage_index()), take_rows(head_weights, seq.storage_index())
-        spans = seq.__dict__.setdefault("_spans", {})  # per chunk rows, on the sequence (a loop over the runs)
-        if C not in spans:
-            spans[C] = row_spans(seq.runs, C, seq.real_rows())
-        spans = spans[C]
+        if seq.is_contiguous:  # the real rows are the first rows of the shard
+            q_rows, w_rows = q[: owned.numel()], head_weights[: owned.numel()]
+        else:
+            q_rows, w_rows = take_rows(q, seq.storage_index()), take_rows(head_weights, seq.storage_index())
+        spans = rank_spans(seq, C, cache=problem.settings.table_cache)  # per batch, in seq.batch
     k_sel = problem.topk // problem.kpool
     pools, queries, parts, offset, done = pooled, None, [], 0, []
     for span in spans or [Span(0, 0)]:
@@ -229,7 +226,7 @@ def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
     problem, options, part = call.problem, call.options, call.partition
     seq, kpool = problem.seq, problem.kpool
     n = seq.num_real_tokens
-    pairs = row_work_prefix(seq.real_cu_seq_lens, kpool, row_cost=0)
+    pairs = row_work(seq, kpool, row_cost=0, cache=problem.settings.table_cache)
     if call.balanced:
         lo, hi = part.bounds[seq.rank], part.bounds[seq.rank + 1]
         scored, causal = (lo, hi), int(pairs[hi] - pairs[lo])
