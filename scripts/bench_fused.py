@@ -24,7 +24,7 @@ import time
 import torch
 
 from sp_kpool.backends import BACKENDS
-from sp_kpool.pipeline import solve
+from sp_kpool.pipeline import RunRecord, solve
 from sp_kpool.settings import Settings
 from sp_kpool.testing.bench_timing import do_bench_ms, log, package_versions, save
 from sp_kpool.testing.problems import rank_slice_problem
@@ -52,17 +52,17 @@ def one(case: str, H: int, topk: int) -> dict:
     p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=topk, precision="fp8", lengths=lengths,
                            max_logits_bytes=2 * 2**30, device="cuda")  # fmt: skip
     dense_p = dataclasses.replace(p, settings=Settings(fused=False))
-    fused_p = dataclasses.replace(p, settings=Settings(fused=True), counters={})
+    fused_p, record = dataclasses.replace(p, settings=Settings(fused=True)), RunRecord()
     res = {"case": case, "H": H, "topk": topk, "rows": p.seq.shard_size}
     t0 = time.perf_counter()
     want = solve(dense_p, "deepgemm").ids
-    got = solve(fused_p, "deepgemm").ids
+    got = solve(fused_p, "deepgemm", record).ids
     res["fused_equals_dense"] = bool(torch.equal(got, want))
-    res["fused_selector"] = fused_p.counters.get("selector")
+    res["fused_selector"] = record.counters.get("selector")
     res["whole_dense_ms"] = do_bench_ms(lambda: solve(dense_p, "deepgemm"))
-    res["whole_fused_ms"] = do_bench_ms(lambda: solve(dataclasses.replace(fused_p, counters={}), "deepgemm"))
+    res["whole_fused_ms"] = do_bench_ms(lambda: solve(fused_p, "deepgemm"))
     res["peak_extra_mib_dense"] = peak_mb(lambda: solve(dense_p, "deepgemm"))
-    res["peak_extra_mib_fused"] = peak_mb(lambda: solve(dataclasses.replace(fused_p, counters={}), "deepgemm"))
+    res["peak_extra_mib_fused"] = peak_mb(lambda: solve(fused_p, "deepgemm"))
     # the same prepared inputs for the kernels alone: all this rank's rows in one call
     be = BACKENDS["deepgemm"]
     seq = p.seq

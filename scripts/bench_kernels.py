@@ -39,7 +39,7 @@ import time
 import torch
 
 from sp_kpool.backends import BACKENDS
-from sp_kpool.pipeline import solve
+from sp_kpool.pipeline import RunRecord, solve
 from sp_kpool.pooling import pool_table
 from sp_kpool.selection import row_meta
 from sp_kpool.testing.bench_timing import do_bench_ms as bench_do_bench
@@ -78,16 +78,16 @@ def staged(name, p, reps=5):
     """The whole call (pipeline stages 3-8 on the gathered problem, :func:`solve`) of backend
     ``name``: median ms, and the medians of its stages and of the other timings."""
 
-    def run(problem=p):
-        return solve(problem, name)
+    def run(problem=p, record=None):
+        return solve(problem, name, record)
 
     run()  # warm-up (JIT)
     torch.cuda.synchronize()
     stages: dict = {}
     for _ in range(reps):
-        pt = dataclasses.replace(p, stage_times={})
-        run(pt)
-        for k, v in pt.stage_times.items():
+        rec = RunRecord(stage_times={})
+        run(p, rec)
+        for k, v in rec.stage_times.items():
             stages.setdefault(k, []).append(v * 1e3)
     whole = bench(run, reps=reps, warmup=1)
     med = {k: sorted(v)[len(v) // 2] for k, v in stages.items()}

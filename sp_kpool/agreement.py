@@ -17,13 +17,14 @@ import torch
 
 from .backends import resolve_backend
 from .backends.base import Backend, Problem
-from .balance import CausalPartition, causal_partition, owned_work
+from .balance import CausalPartition, owned_work, sequence_partition
 from .checks import check_float_tensor
 from .comm import CommStats, agree_or_raise, take_rows
 from .config import KPoolConfig, RunOptions, split_keywords
 from .layouts import LAYOUTS
 from .settings import Settings, current_settings
 from .sharding import ShardedSequence
+from .timing import RunRecord
 
 __all__ = ["Call", "num_pools", "validate_and_agree", "fail_on_every_rank", "call_of", "MAX_PADDED_OUTPUT_ENTRIES"]
 
@@ -42,7 +43,8 @@ MAX_PADDED_OUTPUT_ENTRIES = 2**31 - 1
 class Call:
     """One validated call: the problem, the resolved backend and options, the scoring
     chunk rows ``C`` (``None`` without pools), the number of pools, the balance partition
-    (``None`` unless ``balance="causal"`` with several ranks) and the bytes counter."""
+    (``None`` unless ``balance="causal"`` with several ranks), the bytes counter, and the
+    :class:`~sp_kpool.timing.RunRecord` the stages fill (stage times, selector counters)."""
 
     problem: Problem
     backend: Backend
@@ -52,6 +54,7 @@ class Call:
     partition: CausalPartition | None
     counter: CommStats | None
     check_finite: bool = False
+    record: RunRecord = dataclasses.field(default_factory=RunRecord)
 
     @property
     def balanced(self) -> bool:
@@ -248,11 +251,11 @@ def call_of(problem: Problem, options: RunOptions, counter: CommStats | None = N
             row_cost = backend.balance_row_cost
         if P >= 2**31:
             raise ValueError(f"balance: at most 2**31 - 1 pools supported, got {P}")
-        owned = None if seq.is_contiguous else owned_work(seq, config.kpool, row_cost)
-        part = causal_partition(
-            seq.real_cu_seq_lens, kpool=config.kpool, world_size=seq.world_size,
-            shard_size=-(-seq.num_real_tokens // seq.world_size) if owned else seq.shard_size, block=block,
-            row_cost=row_cost, owned=owned,
+        cache = problem.settings.table_cache  # the row work and the partition: once per batch (seq.batch)
+        owned = None if seq.is_contiguous else owned_work(seq, config.kpool, row_cost, cache=cache)
+        part = sequence_partition(
+            seq, kpool=config.kpool, shard_size=-(-seq.num_real_tokens // seq.world_size) if owned else seq.shard_size,
+            block=block, row_cost=row_cost, owned=owned, cache=cache,
         )  # fmt: skip
     return Call(problem, backend, options, chunk, P, part, counter)
 
@@ -333,7 +336,7 @@ def validate_and_agree(q, k, gates, head_weights, ape, seq, config: KPoolConfig 
     tensors = {"q": q, "k": k, "gates": gates, "head_weights": head_weights, "ape": ape}
     _agree(seq, error, _signature(q, seq, call, tensors), settings, call.counter if call is not None else None)
     if stats is not None:  # the stages time themselves (device synchronized) into this dict
-        call.problem.stage_times = {}
+        call.record.stage_times = {}
     return call
 
 

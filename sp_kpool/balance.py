@@ -25,7 +25,9 @@ scored by two ranks) except the last, which is the number of real rows.
 The partition is a pure function of global quantities (``cu_seq_lens``, ``kpool``, world
 size, shard size, block), so every rank computes the same partition and the same decision
 without communicating. It is declined (the contiguous split is kept, nothing moves) when it
-would not lower the maximum work of a rank.
+would not lower the maximum work of a rank. The pipeline keeps it, and the row work it is
+cut from, in the sequence's per-batch object (:func:`sequence_partition`, ``seq.batch``):
+the later layers of a batch look them up.
 
 Bitwise equality: the pipeline scores on a global chunk grid (:mod:`sp_kpool.plan`), so a row's selection does not depend on which rank computes it;
 the owner expands and lays out exactly as the unbalanced path does.
@@ -33,7 +35,6 @@ the owner expands and lays out exactly as the unbalanced path does.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,9 @@ __all__ = [
     "CausalPartition",
     "causal_partition",
     "contiguous_partition",
+    "sequence_partition",
     "row_work_prefix",
+    "row_work",
     "owned_work",
     "move_queries",
     "route_pools",
@@ -120,9 +123,11 @@ def row_work_prefix(real_cu_seq_lens: torch.Tensor, kpool: int, row_cost: int = 
     return prefix
 
 
-@functools.lru_cache(maxsize=4)
-def _prefix_cached(cu: tuple[int, ...], kpool: int, row_cost: int) -> torch.Tensor:
-    return row_work_prefix(torch.tensor(cu, dtype=torch.int64), kpool, row_cost)
+def row_work(seq, kpool: int, row_cost: int = ROW_COST, *, cache: bool = True) -> torch.Tensor:
+    """:func:`row_work_prefix` of ``seq``'s real rows (``[N + 1]`` int64 CPU), kept in the
+    ``row_work`` section of ``seq.batch`` when ``cache`` (``Settings.table_cache``)."""
+    key = (tuple(seq.real_cu_seq_lens.tolist()), kpool, row_cost)
+    return seq.batch.get("row_work", key, lambda: row_work_prefix(seq.real_cu_seq_lens, kpool, row_cost), cache=cache)
 
 
 def _works(prefix: torch.Tensor, bounds) -> tuple[int, ...]:
@@ -133,12 +138,9 @@ def _contiguous_bounds(n: int, world_size: int, shard_size: int) -> tuple[int, .
     return tuple(min(r * shard_size, n) for r in range(world_size)) + (n,)
 
 
-@functools.lru_cache(maxsize=64)
-def _partition_cached(
-    cu: tuple[int, ...], kpool: int, world_size: int, shard_size: int, block: int, row_cost: int,
-    owned: tuple[int, ...] | None = None,
-) -> CausalPartition:
-    prefix = _prefix_cached(cu, kpool, row_cost)
+def _partition(prefix: torch.Tensor, world_size: int, shard_size: int, block: int, row_cost: int,
+               owned: tuple[int, ...] | None = None) -> CausalPartition:  # fmt: skip
+    """:func:`causal_partition` of the real rows whose row work prefix is ``prefix``."""
     n = prefix.numel() - 1
     total = int(prefix[-1])
     R = world_size
@@ -190,7 +192,7 @@ def contiguous_partition(
     """The plain split (compute range = owned range) as a not-applied partition."""
     cu = _check_args(real_cu_seq_lens, kpool=(kpool, 1), world_size=(world_size, 1),
                      shard_size=(shard_size, 1), row_cost=(row_cost, 0))  # fmt: skip
-    prefix = _prefix_cached(cu, kpool, row_cost)
+    prefix = row_work_prefix(torch.tensor(cu, dtype=torch.int64), kpool, row_cost)
     n = prefix.numel() - 1
     bounds = _contiguous_bounds(n, world_size, shard_size)
     work = _works(prefix, bounds)
@@ -227,22 +229,41 @@ def causal_partition(
     Every boundary is the aligned row whose prefix work is nearest its ideal
     ``r * total / R``, so each range's work is within ``max_block_work`` of the ideal
     ``total / R``. Declined (``applied=False``) when it does not lower the maximum work.
-    Cached on its arguments: calling it once per layer costs a dictionary lookup.
+    Pure and not cached: :func:`sequence_partition` keeps it once per batch.
     """
     cu = _check_args(real_cu_seq_lens, kpool=(kpool, 1), world_size=(world_size, 1),
                      shard_size=(shard_size, 1), block=(block, 1), row_cost=(row_cost, 0))  # fmt: skip
-    return _partition_cached(cu, kpool, world_size, shard_size, block, row_cost, owned)
+    prefix = row_work_prefix(torch.tensor(cu, dtype=torch.int64), kpool, row_cost)
+    return _partition(prefix, world_size, shard_size, block, row_cost, owned)
 
 
-def owned_work(seq, kpool: int, row_cost: int = ROW_COST) -> tuple[int, ...]:
-    """Causal work of the real rows each rank owns (its in-place work), per rank."""
-    cache = seq.__dict__.setdefault("_owned_work", {})
-    key = (kpool, row_cost)
-    if key not in cache:
-        prefix = _prefix_cached(tuple(seq.real_cu_seq_lens.tolist()), kpool, row_cost)
+def sequence_partition(seq, *, kpool: int, shard_size: int, block: int, row_cost: int = ROW_COST,
+                       owned: tuple[int, ...] | None = None, cache: bool = True) -> CausalPartition:  # fmt: skip
+    """:func:`causal_partition` of ``seq``'s real rows over its ``world_size`` ranks (the
+    other arguments as there), kept in the ``partitions`` section of ``seq.batch`` when
+    ``cache`` (``Settings.table_cache``): every layer after the first costs a dictionary
+    lookup. Its row work comes from :func:`row_work` (the same batch)."""
+    cu = _check_args(seq.real_cu_seq_lens, kpool=(kpool, 1), world_size=(seq.world_size, 1),
+                     shard_size=(shard_size, 1), block=(block, 1), row_cost=(row_cost, 0))  # fmt: skip
+
+    def build() -> CausalPartition:
+        prefix = row_work(seq, kpool, row_cost, cache=cache)
+        return _partition(prefix, seq.world_size, shard_size, block, row_cost, owned)
+
+    key = (cu, kpool, seq.world_size, shard_size, block, row_cost, owned)
+    return seq.batch.get("partitions", key, build, cache=cache)
+
+
+def owned_work(seq, kpool: int, row_cost: int = ROW_COST, *, cache: bool = True) -> tuple[int, ...]:
+    """Causal work of the real rows each rank owns (its in-place work), per rank (ints),
+    kept in the ``owned_work`` section of ``seq.batch`` when ``cache``."""
+
+    def build() -> tuple[int, ...]:
+        prefix = row_work(seq, kpool, row_cost, cache=cache)
         per_row = prefix[1:] - prefix[:-1]
-        cache[key] = tuple(int(per_row[seq.real_rows(r)].sum()) for r in range(seq.world_size))
-    return cache[key]
+        return tuple(int(per_row[seq.real_rows(r)].sum()) for r in range(seq.world_size))
+
+    return seq.batch.get("owned_work", (kpool, row_cost), build, cache=cache)
 
 
 def _within(rows: torch.Tensor, rng: tuple[int, int]) -> tuple[int, int]:

@@ -17,12 +17,13 @@ lengths, and, in the interleaved layouts, every rank's positions: CPU int64, sha
 holds them; every ``ShardedSequence`` computes its own once, on construction
 (``seq.op_arguments``), outside any traced code. Inside, the sequence is rebuilt from these
 values and kept in a small cache keyed by them, so every layer of one batch reuses one
-sequence object and with it the pipeline's table cache (``seq.tables``). The call's
-:class:`~sp_kpool.config.KPoolConfig` and :class:`~sp_kpool.config.RunOptions` travel as
-scalars and strings (constants of the graph, the same on every call of a module), with
-``precision``, ``max_logits_bytes`` and ``check_finite`` resolved before the call, and the
-call's :class:`~sp_kpool.settings.Settings` as the reprs of its fields, one a line (``Settings.op_text``, made on construction; a
-constant too).
+sequence object and with it its per-batch object (``seq.batch``: the tables, spans,
+partitions). The call's :class:`~sp_kpool.config.KPoolConfig` and
+:class:`~sp_kpool.config.RunOptions` travel as scalars and strings (constants of the
+graph, the same on every call of a module), with ``precision``, ``max_logits_bytes`` and
+``check_finite`` resolved before the call, and the call's
+:class:`~sp_kpool.settings.Settings` as the reprs of its fields, one a line
+(``Settings.op_text``, made on construction; a constant too).
 
 Eager calls (outside a trace) keep the direct path of :func:`sp_kpool.pipeline.run`: its
 checks, messages and agreement are unchanged, and a bad argument (``seq`` that is no

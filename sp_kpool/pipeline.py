@@ -52,10 +52,10 @@ import torch
 from ._device import to_device
 from .agreement import Call, call_of, fail_on_every_rank, num_pools, validate_and_agree
 from .backends.base import PoolInputs, Pools, Problem, Queries, QueryInputs
-from .balance import move_queries, route_pools, row_work_prefix
+from .balance import move_queries, route_pools, row_work
 from .comm import gather_keys, real_order, take_rows
 from .config import KPoolConfig, RunOptions
-from .plan import ChunkPlan, Span, plan_chunks, row_spans
+from .plan import ChunkPlan, Span, plan_chunks, rank_spans
 from .pool_gather import gather_pools, pool_owners, pool_shards
 from .pooling import pool_table
 from .scoring import select_chunks
@@ -63,10 +63,11 @@ from .expansion import assemble
 from .selection import row_meta
 from .settings import Settings, current_settings
 from .sharding import ShardedSequence
-from .timing import stage
+from .timing import RunRecord, stage
 
 __all__ = [
-    "run", "run_gathered", "solve", "validate_and_agree", "fail_on_every_rank", "Call", "Computed", "num_pools",
+    "run", "run_gathered", "solve", "validate_and_agree", "fail_on_every_rank", "Call", "Computed", "RunRecord",
+    "num_pools",
 ]  # fmt: skip
 
 @torch.no_grad()
@@ -75,15 +76,16 @@ def run(q, k, gates, head_weights, ape, seq, config: KPoolConfig | None = None, 
     """Selected global token ids ``[S_local, config.width]`` int32 (see
     :func:`sp_kpool.kpool_topk` for the arguments)."""
     call = validate_and_agree(q, k, gates, head_weights, ape, seq, config, options, keywords or {}, settings, stats)
-    problem, backend, counter, options = call.problem, call.backend, call.counter, call.options
+    problem, backend, counter, options, record = call.problem, call.backend, call.counter, call.options, call.record
     pooled = None
     if options.gather == "keys":  # 2. gather
-        with stage(problem, "gather"):
+        with stage(record, "gather", problem.device):
             timeout = problem.settings.comm_timeout
             k_all, gates_all = gather_keys(k, seq, counter, timeout), gather_keys(gates, seq, counter, timeout)
         problem = dataclasses.replace(problem, k=k_all, gates=gates_all)
     elif call.pools:  # problem.k / gates stay this rank's shards: with pools gathered, nothing reads them
-        pooled = gather_pools(backend, problem, pool_table(seq.real_cu_seq_lens, problem.kpool)[0], stats=counter)
+        pooled = gather_pools(backend, problem, pool_table(seq.real_cu_seq_lens, problem.kpool)[0], stats=counter,
+                              record=record)  # fmt: skip
     computed = _compute(dataclasses.replace(call, problem=problem), pooled)
     if stats is not None:
         _fill_stats(stats, call, computed)
@@ -109,24 +111,21 @@ class Computed:
 def _compute(call: Call, pooled: Pools | None) -> Computed:
     """Stages 3-8 on this rank, after the gather: ``call.problem`` holds the gathered keys
     and gates (``gather="keys"``) or ``pooled`` the gathered pools."""
-    problem, backend, counter, seq = call.problem, call.backend, call.counter, call.problem.seq
+    problem, backend, counter, seq, record = call.problem, call.backend, call.counter, call.problem.seq, call.record
     device, C = problem.device, call.chunk or 1
     q, head_weights = problem.q, problem.head_weights
     owned = seq.real_rows()  # this rank's real rows, ascending (its storage order: seq.storage_index())
     if call.balanced:  # 3. partition: this rank scores the rows of its compute range
         computed = call.partition.ranges
-        with stage(problem, "balance_exchange"):
+        with stage(record, "balance_exchange", device):
             q_rows, w_rows = move_queries(problem, computed, counter)
         spans = [Span(*computed[seq.rank])]
-    elif seq.is_contiguous:  # the real rows are the first rows of the shard
-        q_rows, w_rows = q[: owned.numel()], head_weights[: owned.numel()]
-        spans = row_spans(seq.runs, C)
     else:
-        q_rows, w_rows = take_rows(q, seq.storage_index()), take_rows(head_weights, seq.storage_index())
-        spans = seq.__dict__.setdefault("_spans", {})  # per chunk rows, on the sequence (a loop over the runs)
-        if C not in spans:
-            spans[C] = row_spans(seq.runs, C, seq.real_rows())
-        spans = spans[C]
+        if seq.is_contiguous:  # the real rows are the first rows of the shard
+            q_rows, w_rows = q[: owned.numel()], head_weights[: owned.numel()]
+        else:
+            q_rows, w_rows = take_rows(q, seq.storage_index()), take_rows(head_weights, seq.storage_index())
+        spans = rank_spans(seq, C, cache=problem.settings.table_cache)  # per batch, in seq.batch
     k_sel = problem.topk // problem.kpool
     pools, queries, parts, offset, done = pooled, None, [], 0, []
     for span in spans or [Span(0, 0)]:
@@ -138,25 +137,25 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
             offset += n
             done.append((plan, None))
             continue
-        with stage(problem, "pool"):  # 5. pool and prepare
+        with stage(record, "pool", device):  # 5. pool and prepare
             pool_in = None if pools is not None else PoolInputs(problem.k, problem.gates, plan.pool_tok_start,
                                                                 plan.extend)  # fmt: skip
             q_span, w_span = span.lay(q_rows[offset : offset + n]), span.lay(w_rows[offset : offset + n])
             built, queries = backend.prepare(problem, pool_in, QueryInputs(q_span, w_span, span.lo, *plan.padding()))
         pools = pools if pools is not None else built
-        selected = select_chunks(backend, problem, pools, queries, plan)  # 6. score and select
+        selected = select_chunks(backend, problem, pools, queries, plan, record)  # 6. score and select
         parts.append(span.pick(selected))
         offset += n
         done.append((plan, queries))
     selected = parts[0] if len(parts) == 1 else torch.cat(parts)
     if call.balanced:  # 7. route back
-        with stage(problem, "balance_route"):
+        with stage(record, "balance_route", device):
             selected = route_pools(problem, selected, computed, counter)
     if seq.is_contiguous and not call.balanced:
         meta = plan.meta
     else:
         meta = row_meta(to_device(owned, device), plan.cu, plan.offs, problem.kpool)
-    ids = _expand(problem, selected, meta, plan.pool_tok_start)  # 8. expand
+    ids = _expand(problem, selected, meta, plan.pool_tok_start, record)  # 8. expand
     return Computed(ids, call, pools, queries, plan, done)
 
 
@@ -175,15 +174,22 @@ def run_gathered(inputs: dict, seq: ShardedSequence, config: KPoolConfig, option
     return solve(problem, (options or RunOptions()).backend)
 
 
-def solve(problem: Problem, backend: str = "torch") -> Computed:
+def solve(problem: Problem, backend: str = "torch", record: RunRecord | None = None) -> Computed:
     """Stages 3-8 of one rank for a :class:`~sp_kpool.backends.base.Problem` that holds the
     gathered keys and gates (``problem.config`` resolved), with the backend named
     ``backend`` (or ``"auto"``), in this process: what :func:`run_gathered` runs, for tests
-    and benchmarks that build the problem themselves."""
-    return _compute(call_of(problem, RunOptions(backend=backend)), None)
+    and benchmarks that build the problem themselves. ``record``: a
+    :class:`~sp_kpool.timing.RunRecord` to fill (``RunRecord(stage_times={})`` times the
+    stages; its ``counters`` get a fused selector's counts); ``None``: a fresh one, which
+    the result holds (``computed.call.record``)."""
+    call = call_of(problem, RunOptions(backend=backend))
+    if record is not None:
+        call.record = record
+    return _compute(call, None)
 
 
-def _expand(problem: Problem, selected: torch.Tensor, meta, pool_tok_start: torch.Tensor) -> torch.Tensor:
+def _expand(problem: Problem, selected: torch.Tensor, meta, pool_tok_start: torch.Tensor,
+            record: RunRecord | None = None) -> torch.Tensor:  # fmt: skip
     """``[S_local, width]`` int32 in storage order: this rank's real rows (``selected``,
     ascending real rows) expanded to stream ids, the padding rows ``-1``."""
     cfg, seq = problem.config, problem.seq
@@ -196,7 +202,7 @@ def _expand(problem: Problem, selected: torch.Tensor, meta, pool_tok_start: torc
         out.fill_(-1)
         rows = torch.empty((n, cfg.width), dtype=torch.int32, device=problem.device)
     if n:
-        with stage(problem, "expand"):
+        with stage(record, "expand", problem.device):
             assemble(selected, meta, pool_tok_start, topk=cfg.topk, kpool=cfg.kpool, tail=cfg.tail, order=cfg.order,
                      alignment=cfg.alignment, presorted=True, out=rows)  # fmt: skip
             if not seq.is_contiguous:
@@ -212,7 +218,7 @@ def _pools_built(seq: ShardedSequence, pts: torch.Tensor, kpool: int) -> int:
 
 
 def _counters(counters: dict) -> dict:
-    """``problem.counters`` with tensors read to Python numbers (``{}``: no fused selector ran)."""
+    """``RunRecord.counters`` with tensors read to Python numbers (``{}``: no fused selector ran)."""
     return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in counters.items()}
 
 
@@ -220,7 +226,7 @@ def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
     problem, options, part = call.problem, call.options, call.partition
     seq, kpool = problem.seq, problem.kpool
     n = seq.num_real_tokens
-    pairs = row_work_prefix(seq.real_cu_seq_lens, kpool, row_cost=0)
+    pairs = row_work(seq, kpool, row_cost=0, cache=problem.settings.table_cache)
     if call.balanced:
         lo, hi = part.bounds[seq.rank], part.bounds[seq.rank + 1]
         scored, causal = (lo, hi), int(pairs[hi] - pairs[lo])
@@ -235,8 +241,8 @@ def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
         balance=options.balance,
         balance_applied=call.balanced,
         bytes=call.counter.as_dict(),
-        time_s=dict(problem.stage_times),
-        selection=_counters(problem.counters),
+        time_s=dict(call.record.stage_times),
+        selection=_counters(call.record.counters),
         partition=part.as_dict() if part is not None else None,
         rows_scored=scored,
         causal_pairs=causal,

@@ -20,31 +20,31 @@ Tables. A plan carries its tables on the device: the real documents' boundaries,
 first pools, each chunk's pool range, the pool table (first token of every pool), each
 row's ``[start, end)`` within its chunk's pool range and each row's causal metadata. They
 are built with one host-to-device copy that does not make the host wait for the device
-(:func:`sp_kpool._device.to_device`), and cached in the :class:`TableCache` of the
-:class:`~sp_kpool.sharding.ShardedSequence` they belong to: build the sequence once per
-batch and pass it to every layer, and every layer after the first skips this host work
-(about 0.3-0.6 ms of host time per call on an H200 host). The cache lives and dies with
-its sequence; ``Settings.table_cache = False`` (``SP_KPOOL_TABLE_CACHE=0``) turns it off.
+(:func:`sp_kpool._device.to_device`), and cached in the per-batch object of the
+:class:`~sp_kpool.sharding.ShardedSequence` they belong to (``seq.batch``, a
+:class:`~sp_kpool.batch.BatchCache`; its ``plans`` section, also ``seq.tables``): build
+the sequence once per batch and pass it to every layer, and every layer after the first
+skips this host work (about 0.3-0.6 ms of host time per call on an H200 host), and that of
+the spans (:func:`rank_spans`) too. The cache lives and dies with its sequence;
+``Settings.table_cache = False`` (``SP_KPOOL_TABLE_CACHE=0``) turns it off.
 """
 
 from __future__ import annotations
 
 import bisect
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from . import _device
 from ._device import to_device
 from ._probe import probe
+from .batch import TableCache
 from .pooling import extend_pools
 from .selection import RowMeta, row_meta
 
-__all__ = ["Chunk", "ChunkPlan", "TableCache", "Span", "plan_chunks", "row_spans", "grid_span", "pad_rows",
-           "row_ranges_torch"]  # fmt: skip
+__all__ = ["Chunk", "ChunkPlan", "TableCache", "Span", "plan_chunks", "row_spans", "rank_spans", "grid_span",
+           "pad_rows", "row_ranges_torch"]  # fmt: skip
 
 
 def grid_span(C: int, lo_row: int, hi_row: int) -> tuple[int, int]:
@@ -116,6 +116,18 @@ def row_spans(runs, C: int, rows: torch.Tensor | None = None) -> list[Span]:
     return spans
 
 
+def rank_spans(seq, C: int, *, cache: bool = True) -> list[Span]:
+    """The :class:`Span` s of ``seq``'s real rows on this rank (:func:`row_spans` of
+    ``seq.runs``) in chunks of ``C`` rows: one span in the contiguous layout, one per group
+    of nearby runs in the interleaved ones. ``cache``: kept in the ``spans`` section of
+    ``seq.batch`` (a loop over the runs, once per batch). Read-only (shared)."""
+
+    def build() -> list[Span]:
+        return row_spans(seq.runs, C, None if seq.is_contiguous else seq.real_rows())
+
+    return seq.batch.get("spans", C, build, cache=cache)
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One chunk of the grid: global rows ``[first, first + C)`` (``end``: the last real row
@@ -127,40 +139,6 @@ class Chunk:
     end: int
     pool_lo: int
     pool_hi: int
-
-
-class TableCache:
-    """A small LRU of :class:`ChunkPlan` objects, owned by one ``ShardedSequence``.
-
-    Keys are everything a plan depends on (the boundaries by value, ``kpool``, chunk rows,
-    row range, device, CUDA stream); at most ``max_entries`` plans are kept (a few MB of
-    device tables each for a rank of 4 x 32768 tokens). Thread-safe.
-    """
-
-    def __init__(self, max_entries: int = 8):
-        self.max_entries = max_entries
-        self._plans: OrderedDict[tuple, ChunkPlan] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple, build: Callable[[], "ChunkPlan"]) -> "ChunkPlan":
-        with self._lock:
-            hit = self._plans.get(key)
-            if hit is not None:
-                self._plans.move_to_end(key)
-                return hit
-        plan = build()
-        with self._lock:
-            self._plans[key] = plan
-            while len(self._plans) > self.max_entries:
-                self._plans.popitem(last=False)
-        return plan
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-
-    def __len__(self) -> int:
-        return len(self._plans)
 
 
 @dataclass(eq=False)
@@ -240,8 +218,9 @@ def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch
 
     ``runs``: the ``(lo, hi)`` runs of the rows computed here when not all of
     ``[lo_row, hi_row)`` are (a :class:`Span`'s); the others get empty pool ranges.
-    ``cache``: take it from (or put it in) ``seq``'s :class:`TableCache`. Without complete
-    pools the plan has no chunks (nothing is scored).
+    ``cache``: take it from (or put it in) the ``plans`` section of ``seq.batch``
+    (:class:`~sp_kpool.batch.BatchCache`). Without complete pools the plan has no chunks
+    (nothing is scored).
     """
 
     def build() -> ChunkPlan:
@@ -253,7 +232,7 @@ def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch
     # the boundaries by value too: an in-place change of seq.cu_seq_lens is another plan
     key = (tuple(seq.cu_seq_lens.tolist()), seq.padding_docs, seq.prompt_lens, kpool, C, lo_row, hi_row, runs,
            device, stream)  # fmt: skip
-    return seq.tables.get(key, build)
+    return seq.batch.get("plans", key, build)
 
 
 def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, runs=None) -> ChunkPlan:

@@ -43,7 +43,7 @@ from .comm import (
     unpack_rows,
 )
 from .pooling import extend_pools
-from .timing import stage
+from .timing import RunRecord, stage
 
 __all__ = ["PoolShards", "pool_shards", "PoolOwners", "pool_owners", "gather_pools"]
 
@@ -147,14 +147,14 @@ def _halo_rows(problem: Any, owners: PoolOwners, stats: CommStats | None) -> tup
     return k_ext, g_ext
 
 
-def _gather_pools_any_layout(backend: Any, problem: Any, pool_tok_start: torch.Tensor,
-                             stats: CommStats | None) -> Pools:  # fmt: skip
+def _gather_pools_any_layout(backend: Any, problem: Any, pool_tok_start: torch.Tensor, stats: CommStats | None,
+                             record: RunRecord | None) -> Pools:  # fmt: skip
     """:func:`gather_pools` for a layout other than the contiguous split."""
     seq, K = problem.seq, problem.kpool
     owners = pool_owners(pool_tok_start, seq, K)
-    with stage(problem, "seam"):
+    with stage(record, "seam", problem.device):
         k_ext, g_ext = _halo_rows(problem, owners, stats)
-    with stage(problem, "pool"):
+    with stage(record, "pool", problem.device):
         mine = owners.pools[seq.rank]
         local = torch.arange(mine.numel(), device=problem.device) * K  # pool i's tokens: rows [i K, (i + 1) K)
         extend = None
@@ -162,7 +162,7 @@ def _gather_pools_any_layout(backend: Any, problem: Any, pool_tok_start: torch.T
             ext = extend_pools(seq.real_cu_seq_lens, seq.prompt_lens, K)
             extend = to_device(ext[mine], problem.device) if bool(ext.any()) else None
         pooled = _pool_local(backend, problem, k_ext, g_ext, local, extend)
-    with stage(problem, "gather"):
+    with stage(record, "gather", problem.device):
         buf, layout = pack_rows(pooled.parts())
         full = all_gather_uneven_rows(buf, owners.counts, seq, stats=stats, tag="gather_pools",
                                       timeout=problem.settings.comm_timeout)
@@ -221,6 +221,7 @@ def gather_pools(
     pool_tok_start: torch.Tensor,
     *,
     stats: CommStats | None = None,
+    record: RunRecord | None = None,
 ) -> Pools | None:
     """Pooled keys of all ``P`` pools, built per shard and all-gathered.
 
@@ -229,21 +230,22 @@ def gather_pools(
         problem: the call, with ``k``/``gates`` this rank's ``[S_local, D]`` shards.
         pool_tok_start: ``[P]`` int64 (CPU), the global pool table.
         stats: bytes counter (tags ``seam`` and ``gather_pools``).
+        record: the call's :class:`~sp_kpool.timing.RunRecord`: the stages ``seam``,
+            ``pool`` and ``gather`` are timed into it when its ``stage_times`` is a dict.
 
     Returns the :class:`~sp_kpool.backends.base.Pools` of all ``P`` pools on
-    ``problem.device``, or ``None`` when there is no complete pool at all. Stages timed
-    into ``problem.stage_times`` (when set): ``seam``, ``pool``, ``gather``.
+    ``problem.device``, or ``None`` when there is no complete pool at all.
     """
     seq = problem.seq
     if pool_tok_start.numel() == 0:
         return None
     if not seq.is_contiguous:
-        return _gather_pools_any_layout(backend, problem, pool_tok_start, stats)
+        return _gather_pools_any_layout(backend, problem, pool_tok_start, stats, record)
     R, me, ss = seq.world_size, seq.rank, seq.shard_size
     shards = pool_shards(pool_tok_start, shard_size=ss, world_size=R, kpool=problem.kpool)
-    with stage(problem, "seam"):
+    with stage(record, "seam", problem.device):
         k_ext, g_ext = _seam_rows(problem, shards, stats)
-    with stage(problem, "pool"):
+    with stage(record, "pool", problem.device):
         a, b = shards.first[me], shards.first[me + 1]
         local = to_device(pool_tok_start[a:b] - me * ss, problem.device)
         extend = None
@@ -253,7 +255,7 @@ def gather_pools(
         pooled = _pool_local(backend, problem, k_ext, g_ext, local, extend)
     if R == 1:
         return pooled
-    with stage(problem, "gather"):
+    with stage(record, "gather", problem.device):
         buf, layout = pack_rows(pooled.parts())  # one collective for values and scales
         full = all_gather_uneven_rows(buf, shards.counts, seq, stats=stats, tag="gather_pools",
                                       timeout=problem.settings.comm_timeout)

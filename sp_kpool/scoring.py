@@ -18,7 +18,7 @@ import torch
 from .backends.base import Backend, ChunkScores, Pools, Problem, Queries
 from .plan import Chunk, ChunkPlan, pad_rows
 from .selectors import choose_fused, select_pools
-from .timing import stage
+from .timing import RunRecord, stage
 
 __all__ = ["ChunkCall", "chunk_calls", "score_chunk", "select_chunks"]
 
@@ -66,14 +66,16 @@ def chunk_calls(plan: ChunkPlan, queries: Queries, *, views_first: bool = True) 
         yield ChunkCall(c, a, b, qc, wc, ranges[0, i * C : (i + 1) * C], ranges[1, i * C : (i + 1) * C])
 
 
-def score_chunk(backend: Backend, problem: Problem, pools: Pools, call: ChunkCall) -> ChunkScores:
-    """``backend.score`` of one call (timed as the ``score`` stage)."""
+def score_chunk(backend: Backend, problem: Problem, pools: Pools, call: ChunkCall,
+                record: RunRecord | None = None) -> ChunkScores:  # fmt: skip
+    """``backend.score`` of one call (timed as the ``score`` stage into ``record``)."""
     c = call.chunk
-    with stage(problem, "score"):
+    with stage(record, "score", problem.device):
         return backend.score(problem, pools, call.q, call.w, c.pool_lo, c.pool_hi, call.starts, call.ends)
 
 
-def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Queries, plan: ChunkPlan) -> torch.Tensor:
+def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Queries, plan: ChunkPlan,
+                  record: RunRecord | None = None) -> torch.Tensor:  # fmt: skip
     """Selected pools ``[hi_row - lo_row, topk // kpool]`` int32 of the plan's rows: global
     pool ids, valid ones first, ``-1`` after; ascending for ``order="ascending"``, by score
     for ``"score"``, the serving selector's order for ``"serving"``. Every element is
@@ -81,7 +83,9 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
 
     With a fused selector (:func:`~sp_kpool.selectors.choose_fused`) each chunk is scored
     and selected in one step (timed as the ``score`` stage, no ``select`` stage), its
-    counters added to ``problem.counters``."""
+    counters added to ``record.counters``. ``record``: the call's
+    :class:`~sp_kpool.timing.RunRecord` (stage times, counters), or ``None``: nothing is
+    timed and the counters are dropped."""
     device = problem.device
     fused = choose_fused(backend, problem)
     lo_row, hi_row = plan.lo_row, plan.hi_row
@@ -96,11 +100,12 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
         if fused is not None:
             if out is None:
                 out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
-            with stage(problem, "score"):
+            with stage(record, "score", device):
                 counts = fused.score_select(backend, problem, pools, call, out[a - lo_row : b - lo_row])
-            _add_counts(problem.counters, fused.name, counts)
+            if record is not None:
+                _add_counts(record.counters, fused.name, counts)
             continue
-        sc = score_chunk(backend, problem, pools, call)
+        sc = score_chunk(backend, problem, pools, call, record)
         rows = slice(a - c.first, b - c.first)
         col0: Any = c.pool_lo
         row_starts, row_ends = call.starts[rows], call.ends[rows]
@@ -115,7 +120,7 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
             visible = (cols[None] >= row_starts[:, None]) & (cols[None] < row_ends[:, None])
         if out is None:  # allocated after the first scoring launch, not before
             out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
-        with stage(problem, "select"):
+        with stage(record, "select", device):
             # straight into this chunk's output rows, every element written
             select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts,
                          out=out[a - lo_row : b - lo_row])  # fmt: skip

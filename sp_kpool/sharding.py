@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .batch import BatchCache, TableCache
 from .checks import check_choice, check_int, check_int_list
 from .layouts import LAYOUTS, stream_layout
 
@@ -140,8 +141,11 @@ class ShardedSequence:
             last document when ``num_padding > 0``, else none).
         rank_positions: per rank, int64 CPU ``[S_r]``, the stream positions of its rows in
             storage order (``None``: the contiguous shards).
-        tables: the pipeline's tables for this sequence (:class:`sp_kpool.plan.TableCache`):
-            every layer called with this object after the first reuses them.
+        batch: the per-batch object (:class:`sp_kpool.batch.BatchCache`, made on
+            construction, never replaced): what the pipeline derives from this sequence
+            once (chunk plans and their tables, spans, row work, balance partitions);
+            every layer called with this object after the first reuses it. Build one
+            sequence per batch and pass it to every layer. :attr:`tables` is its plans.
     """
 
     cu_seq_lens: torch.Tensor
@@ -155,11 +159,9 @@ class ShardedSequence:
     layout: str = "contiguous"
     padding_docs: tuple[int, ...] | None = None
     rank_positions: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
-    tables: Any = field(default=None, init=False, repr=False, compare=False)
+    batch: BatchCache = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        from .plan import TableCache
-
         if self.padding_docs is None:
             n_docs = self.cu_seq_lens.numel() - 1
             object.__setattr__(self, "padding_docs", (n_docs - 1,) if self.num_padding else ())
@@ -169,7 +171,7 @@ class ShardedSequence:
                                tuple(torch.arange(r * s, (r + 1) * s) for r in range(self.world_size)))  # fmt: skip
         if self.prompt_lens is not None:  # validated and a tuple however the object was built
             object.__setattr__(self, "prompt_lens", _as_prompt_lens(self.prompt_lens, self.real_cu_seq_lens))
-        object.__setattr__(self, "tables", TableCache())
+        object.__setattr__(self, "batch", BatchCache())
         from .op import sequence_arguments  # what the custom operator takes of it (sp_kpool.op)
 
         object.__setattr__(self, "op_arguments", sequence_arguments(self))
@@ -307,6 +309,12 @@ class ShardedSequence:
                    rank_positions=pos)  # fmt: skip
 
     # ----------------------------------------------------------------- derived
+    @property
+    def tables(self) -> TableCache:
+        """The chunk plans and their device tables kept for this sequence (the ``plans``
+        section of :attr:`batch`; ``len()`` counts them, ``clear()`` forgets them)."""
+        return self.batch.tables
+
     @property
     def total_length(self) -> int:
         """Length ``S`` of the stream (padding included)."""

@@ -40,18 +40,18 @@ def round_rows(rows: int) -> int:
     return int(rows // 128 * 128 if rows >= 128 else max(1, rows))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Problem:
-    """One call of the operator, as a backend sees it.
+    """One call of the operator, as a backend sees it (a frozen record: the pipeline builds
+    a new one with ``dataclasses.replace`` after the gather).
 
     q: ``[S_local, H, D]`` local queries; head_weights: ``[S_local, H]`` raw gate output;
     k, gates: ``[S, D]`` gathered over the group (``S`` the padded global length), or this
     rank's ``[S_local, D]`` shards with ``gather="pools"``; ape: ``[K, D]``; seq: the
     sharding; config: the call's :class:`~sp_kpool.config.KPoolConfig`, resolved
     (``precision`` and ``max_logits_bytes`` set); settings: the process settings.
-    stage_times: when a dict, the pipeline synchronizes the device around each stage and
-    adds the seconds spent to it (benchmarks; see ``kpool_topk(stats=)``). counters: what a
-    fused selector counted (:func:`sp_kpool.scoring.select_chunks`; ``stats["selection"]``).
+    What the pipeline records while it runs (stage times, a fused selector's counters)
+    travels next to it, in the call's :class:`~sp_kpool.timing.RunRecord`.
     """
 
     q: torch.Tensor
@@ -62,8 +62,6 @@ class Problem:
     seq: ShardedSequence
     config: KPoolConfig
     settings: Settings = field(default_factory=current_settings)
-    stage_times: dict | None = None
-    counters: dict = field(default_factory=dict)
 
     @property
     def topk(self) -> int:

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from sp_kpool.pipeline import solve
+from sp_kpool.pipeline import RunRecord, solve
 from sp_kpool.settings import Settings
 from sp_kpool.testing.problems import rank_slice_problem
 
@@ -98,9 +98,9 @@ def test_whole_call_fused_equals_dense_path(H, case):
     p = rank_slice_problem(case["total"], 4, 3, heads=H, head_dim=128, precision="fp8", lengths=case["lengths"],
                            device="cuda")  # fmt: skip
     want = solve(dataclasses.replace(p, settings=Settings(fused=False)), "deepgemm").ids
-    pf = dataclasses.replace(p, settings=Settings(fused=True), counters={})
-    got = solve(pf, "deepgemm").ids
-    assert pf.counters.get("selector") == "triton-fp8-fused", pf.counters
+    pf, record = dataclasses.replace(p, settings=Settings(fused=True)), RunRecord()
+    got = solve(pf, "deepgemm", record).ids
+    assert record.counters.get("selector") == "triton-fp8-fused", record.counters
     assert torch.equal(got, want)
     for _ in range(3):
-        assert torch.equal(solve(dataclasses.replace(pf, counters={}), "deepgemm").ids, got)
+        assert torch.equal(solve(pf, "deepgemm").ids, got)
