@@ -17,6 +17,10 @@ the other layouts (:mod:`sp_kpool.layouts`) counts may differ, and :func:`gather
 to the largest count, gathers once and puts the rows in real-row order. The process group
 is always passed in explicitly; nothing is kept in module globals except the resolved
 gather function.
+
+One cohesive concept over 500 lines, so one module: every collective over the sequence's
+group, sharing the byte counting, the timed waits and the agreement that reports a bad
+input on every rank alike.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ training/rollout mismatch monitor)::
     ids = replay.shard(captured, seq, config, missing="compute", inputs=indexer.prepare(hidden, q_resid))
     report = replay.compare(ids, kpool_topk(...), seq)        # a collective, JSON-able
 
+One cohesive concept over 500 lines, so one module: a rollout selection replayed, whose
+validation, layout and comparison all apply the row rules below.
+
 **Capture** (``captured``): one integer array per real document of ``seq`` (a list, in
 document order; ``torch.Tensor`` or NumPy), ``[T_d, W_d]``: row ``j`` holds what the row at
 document-local position ``j`` selected, ``-1`` in unused columns (anywhere in the row).

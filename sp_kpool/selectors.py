@@ -18,6 +18,9 @@ Two kinds are registered:
   (:class:`FusedSelector`; :func:`choose_fused`): the pipeline uses one when it supports the
   call and otherwise scores, then selects (:func:`sp_kpool.scoring.select_chunks`). A fused
   kernel is one file under ``kernels/`` plus one :func:`register` call.
+
+One cohesive concept over 500 lines, so one module: the exact Top-K rule of contract §4,
+every selector that implements it and the registry that chooses among them, side by side.
 """
 
 from __future__ import annotations

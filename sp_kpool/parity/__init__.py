@@ -6,6 +6,9 @@ backend defaults to ``auto`` and is resolved by name through
 
 The package, by concern:
 
+- :mod:`.load`: :class:`Capture`, :func:`load_capture`, :func:`load_capture_set` -- a capture
+  file read back and validated, of any format version in :data:`FORMATS` (the writer is
+  :mod:`sp_kpool.capture`, next to the indexer);
 - :mod:`.arms`: :class:`Arm` and one arm's run on identical inputs (preparation, pools, ids);
 - :mod:`.replay`: :func:`replay` -- both arms of a capture, compared (keys, pools, scores on the
   valid causal slots, Top-K pool sets, determinism); what is compared and how is described there;
@@ -19,6 +22,7 @@ The package, by concern:
 from __future__ import annotations
 
 from .arms import Arm, gathered_inputs
+from .load import FORMATS, Capture, CaptureError, load_capture, load_capture_set
 from .replay import HIST_EDGES, replay, selected_pool_sets, stderr_progress
 from .report import format_table, write_outputs
 from .synthetic import make_synthetic_capture
@@ -33,4 +37,9 @@ __all__ = [
     "selected_pool_sets",
     "stderr_progress",
     "HIST_EDGES",
+    "Capture",
+    "CaptureError",
+    "FORMATS",
+    "load_capture",
+    "load_capture_set",
 ]

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from ..backends import backend_names
-from ..capture import Capture
 from ..pipeline import run_gathered
 from ..precision import PRECISIONS
+from .load import Capture
 
 __all__ = ["Arm", "gathered_inputs", "schedule_of"]
 

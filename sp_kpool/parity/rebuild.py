@@ -1,15 +1,15 @@
 """The module of a capture: a ``KPoolIndexer`` rebuilt from what one file stores.
 
 Here, above the indexer and the capture code, so that the capture writer (which the
-indexer imports) never imports the indexer back.
+indexer imports) never imports the indexer back; the capture comes from :mod:`.load`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..capture import Capture
 from ..indexer import KPoolIndexer
+from .load import Capture
 
 __all__ = ["rebuild_indexer"]
 

@@ -41,12 +41,12 @@ from typing import Any, Callable
 import torch
 
 from ..backends.base import ChunkScores, PoolInputs, Pools
-from ..capture import load_capture_set
 from ..pooling import pool_table
 from ..scoring import chunk_calls, score_chunk
 from ..selection import row_meta
 from ..serving import hadamard
 from .arms import Arm, _ArmRun, _device, _run_arm, schedule_of
+from .load import load_capture_set
 from .rebuild import rebuild_indexer
 
 __all__ = ["replay", "selected_pool_sets", "stderr_progress", "HIST_EDGES"]
@@ -345,7 +345,7 @@ def replay(
 
     Returns a JSON-ready dict (see :func:`format_table` for what it holds); the per-query
     arrays are under ``"per_query"``. ``progress`` receives progress lines (e.g. ``print``).
-    Raises :class:`sp_kpool.capture.CaptureError` for a bad capture, ``ValueError`` for a
+    Raises :class:`~sp_kpool.capture.CaptureError` for a bad capture, ``ValueError`` for a
     bad arm or a backend that cannot run it.
     """
     a = a if isinstance(a, Arm) else Arm.parse(a)

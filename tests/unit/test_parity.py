@@ -480,7 +480,7 @@ def test_arm_parse_takes_the_decode_suffix():
 
 
 def test_a_capture_without_head_gate_metadata_is_reported_as_rounded(captured, tmp_path):
-    # captures written before the FP32 head gate have no "head_gate" metadata: the report
+    # sp_kpool.capture/1 files written before the FP32 head gate have no "head_gate" metadata: the report
     # says their serving-arm ids need not reproduce
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -490,6 +490,7 @@ def test_a_capture_without_head_gate_metadata_is_reported_as_rounded(captured, t
         meta = dict(fh.metadata())
         tensors = {n: fh.get_tensor(n) for n in fh.keys()}
     assert meta.pop("head_gate") == "fp32"
+    meta["format"] = "sp_kpool.capture/1"  # the version of the files from before the FP32 head gate
     old = tmp_path / "old" / path.name
     old.parent.mkdir()
     save_file(tensors, str(old), metadata=meta)
@@ -540,27 +541,102 @@ def _rewritten(path, tmp_path, name, edit):
     return out
 
 
-def test_the_config_round_trips_through_its_record_in_each_kind_of_capture(captured, tmp_path, monkeypatch):
-    """``sp_kpool.capture/1`` files with the ``config`` record (written now) rebuild the
-    config with ``KPoolConfig.from_record`` (a field added to the config survives the
-    replay); those from before it, from the flat fields; both replay alike. A record that
-    disagrees with the flat fields is refused, naming both."""
+def _as_v1(*drop):
+    """A metadata edit: the file made a ``sp_kpool.capture/1`` one, without the fields ``drop``."""
+
+    def edit(meta):
+        meta["format"] = "sp_kpool.capture/1"
+        for k in drop:
+            del meta[k]
+
+    return edit
+
+
+def test_each_format_version_loads_and_replays_alike(captured, tmp_path):
+    """Files of every version the reader knows load and replay alike: ``/2`` (written now),
+    ``/1`` with the ``config`` record (the last ``/1`` writers wrote what ``/2`` has),
+    ``/1`` without it (the flat fields rebuild the config) and the oldest ``/1`` (no
+    config, options, head gate, layout or versions). A field that ``/2`` always has is
+    required in a ``/2`` file."""
+    from sp_kpool.capture import FORMAT
+    from sp_kpool.parity import FORMATS
+
+    path, ids, m = captured[:3]
+    assert FORMAT == "sp_kpool.capture/2" and list(FORMATS) == ["sp_kpool.capture/1", "sp_kpool.capture/2"]
+    oldest = ("config", "options", "head_gate", "layout", "sp_kpool", "torch")
+    files = {
+        "sp_kpool.capture/2": path,
+        "/1 with config": _rewritten(path, tmp_path, "v1-config", _as_v1()),
+        "/1 without config": _rewritten(path, tmp_path, "v1-flat", _as_v1("config")),
+        "/1 oldest": _rewritten(path, tmp_path, "v1-oldest", _as_v1(*oldest)),
+    }
+    want = m.config.resolve(m.settings, torch.device("cpu"))
+    diffs = []
+    for name, p in files.items():
+        cap = load_capture(p)
+        assert cap.meta["format"] == (FORMAT if name == FORMAT else "sp_kpool.capture/1"), name
+        assert cap.config() == want and cap.options() == m.options and torch.equal(cap.ids, ids), name
+        rep = replay(p, "fp8:torch", "bf16:torch", repeat=False)
+        assert rep["arms"]["A"]["reproduces_captured_ids"] is True, name
+        diffs.append(rep["diff"])
+    assert all(d == diffs[0] for d in diffs[1:])
+    meta = load_capture(files["/1 oldest"]).meta
+    assert meta["config"] == {k: getattr(want, k) for k in meta["config"]}  # the flat fields
+    assert (meta["layout"], meta["head_gate"], meta["options"], meta["sp_kpool"], meta["torch"]) == (
+        "contiguous", "rounded to the parameter dtype", {}, "?", "?")  # fmt: skip
+    for field in oldest:
+        bad = _rewritten(path, tmp_path, f"v2-without-{field}", lambda meta: meta.pop(field))
+        with pytest.raises(CaptureError, match=rf"without-{field}/.*: missing metadata \['{field}'\]"):
+            load_capture(bad)
+
+
+def test_an_unknown_format_version_is_refused_naming_it(captured, tmp_path, capsys):
+    newer = _rewritten(captured[0], tmp_path, "newer", lambda meta: meta.update(format="sp_kpool.capture/3"))
+    known = r"\['sp_kpool.capture/1', 'sp_kpool.capture/2'\]"
+    with pytest.raises(CaptureError, match=rf"capture format 'sp_kpool.capture/3' is not one this reader knows "
+                                           rf"\(it reads {known}\): written by a newer sp_kpool\?") as err:  # fmt: skip
+        load_capture(newer)
+    assert str(err.value).startswith(f"{newer}: ")
+    assert main(["parity", str(newer), "--quiet"]) == 2 and f"error: {newer}: capture format" in capsys.readouterr().err
+    other = _rewritten(captured[0], tmp_path, "other", lambda meta: meta.update(format="someone.else/2"))
+    with pytest.raises(CaptureError, match=rf"not an sp_kpool capture \(metadata 'format' is 'someone.else/2', "
+                                           rf"expected one of {known}\)"):  # fmt: skip
+        load_capture(other)
+
+
+def test_the_reader_stays_importable_from_sp_kpool_capture(captured):
+    """The reader moved to ``sp_kpool.parity.load``; ``sp_kpool.capture`` still gives its
+    names (loaded on first use), and the writer refuses metadata that would make a file
+    that is not a whole ``/2`` one."""
+    import sp_kpool.capture as capture_mod
+    import sp_kpool.parity.load as load_mod
+
+    for name in ("Capture", "load_capture", "load_capture_set"):
+        assert getattr(capture_mod, name) is getattr(load_mod, name) and name in capture_mod.__all__
+    assert capture_mod.CaptureError is load_mod.CaptureError
+    with pytest.raises(AttributeError, match="module 'sp_kpool.capture' has no attribute 'load'"):
+        capture_mod.load
+    cap = load_capture(captured[0])
+    seq = ShardedSequence.split(_cu(LENGTHS), world_size=1, rank=0)
+    meta = {k: cap.meta[k] for k in capture_mod._CALLER_META if k not in ("config", "options", "head_gate")}
+    with pytest.raises(ValueError, match=r"meta: expected every metadata field of sp_kpool.capture/2, missing "
+                                         r"\['head_gate', 'config', 'options'\]"):  # fmt: skip
+        capture_mod.write_capture(captured[0].parent / "unused.safetensors", hidden=cap.hidden, q_resid=cap.q_resid,
+                                  ids=cap.ids, seq=seq, params=cap.params, meta=meta)  # fmt: skip
+
+
+def test_the_config_round_trips_through_its_record(captured, tmp_path, monkeypatch):
+    """The ``config`` record is rebuilt with ``KPoolConfig.from_record`` (a field added to
+    the config survives the replay); a record that disagrees with the flat fields is
+    refused, naming both."""
     import dataclasses
     import json
 
     import sp_kpool.config
-    from sp_kpool.capture import FORMAT
     from sp_kpool.config import KPoolConfig
 
     path, _, m = captured[:3]
-    new = load_capture(path)
-    assert FORMAT == "sp_kpool.capture/1"  # what is written is unchanged: no new version
     want = m.config.resolve(m.settings, torch.device("cpu"))
-    assert new.config() == want == KPoolConfig.from_record(new.meta["config"])
-    old = load_capture(_rewritten(path, tmp_path, "old", lambda meta: meta.pop("config")))
-    assert old.config() == want and old.meta["config"] == {k: getattr(want, k) for k in old.meta["config"]}
-    a, b = (replay(p.path, "fp8:torch", "bf16:torch", repeat=False) for p in (new, old))
-    assert a["diff"] == b["diff"] and a["arms"]["A"]["reproduces_captured_ids"] is True
 
     @dataclasses.dataclass(frozen=True)
     class Later(KPoolConfig):  # the config of a later version, with one field more
