@@ -1,7 +1,11 @@
 """``ShardedSequence``: which rows of a packed sequence this rank owns, in which layout.
 
 A frozen value object built by pure functions: no communication happens here, except in
-:meth:`ShardedSequence.from_positions`, which all-gathers every rank's positions once.
+:meth:`ShardedSequence.from_positions`, which all-gathers every rank's positions once, and
+in :meth:`ShardedSequence.global_rows`, a collective by design.
+One module over 500 lines because it is one concept, the sequence a user builds once per
+batch: its constructors, the stream/real-row tables of every layout and the calls that
+move a rank's rows in and out (``local_rows``, ``global_rows``) belong together.
 
 Picture (world size 3, documents of lengths 5 and 3, ``kpool`` 4, ``layout="contiguous"``)::
 
