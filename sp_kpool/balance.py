@@ -126,8 +126,10 @@ def row_work_prefix(real_cu_seq_lens: torch.Tensor, kpool: int, row_cost: int = 
 def row_work(seq, kpool: int, row_cost: int = ROW_COST, *, cache: bool = True) -> torch.Tensor:
     """:func:`row_work_prefix` of ``seq``'s real rows (``[N + 1]`` int64 CPU), kept in the
     ``row_work`` section of ``seq.batch`` when ``cache`` (``Settings.table_cache``)."""
-    key = (tuple(seq.real_cu_seq_lens.tolist()), kpool, row_cost)
-    return seq.batch.get("row_work", key, lambda: row_work_prefix(seq.real_cu_seq_lens, kpool, row_cost), cache=cache)
+    def build() -> torch.Tensor:
+        return row_work_prefix(seq.real_cu_seq_lens, kpool, row_cost)
+
+    return seq.batch.get("row_work", (kpool, row_cost), build, cache=cache)  # the boundaries are the sequence's
 
 
 def _works(prefix: torch.Tensor, bounds) -> tuple[int, ...]:
@@ -243,14 +245,14 @@ def sequence_partition(seq, *, kpool: int, shard_size: int, block: int, row_cost
     other arguments as there), kept in the ``partitions`` section of ``seq.batch`` when
     ``cache`` (``Settings.table_cache``): every layer after the first costs a dictionary
     lookup. Its row work comes from :func:`row_work` (the same batch)."""
-    cu = _check_args(seq.real_cu_seq_lens, kpool=(kpool, 1), world_size=(seq.world_size, 1),
-                     shard_size=(shard_size, 1), block=(block, 1), row_cost=(row_cost, 0))  # fmt: skip
+    _check_args(seq.real_cu_seq_lens, kpool=(kpool, 1), world_size=(seq.world_size, 1),
+                shard_size=(shard_size, 1), block=(block, 1), row_cost=(row_cost, 0))  # fmt: skip
 
     def build() -> CausalPartition:
         prefix = row_work(seq, kpool, row_cost, cache=cache)
         return _partition(prefix, seq.world_size, shard_size, block, row_cost, owned)
 
-    key = (cu, kpool, seq.world_size, shard_size, block, row_cost, owned)
+    key = (kpool, shard_size, block, row_cost, owned)  # the boundaries and world size are the sequence's
     return seq.batch.get("partitions", key, build, cache=cache)
 
 

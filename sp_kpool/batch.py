@@ -10,10 +10,13 @@ reuses what it holds, in named sections::
     plans         boundaries, kpool, C, rows, device    ChunkPlan and its device tables
                   and stream                            (sp_kpool.plan.plan_chunks)
     spans         C                                     this rank's Spans (sp_kpool.plan.row_spans)
-    row_work      real boundaries, kpool, row_cost      W [N + 1] int64 (sp_kpool.balance.row_work)
+    row_work      kpool, row_cost                       W [N + 1] int64 (sp_kpool.balance.row_work)
     owned_work    kpool, row_cost                       per-rank work (sp_kpool.balance.owned_work)
-    partitions    real boundaries, kpool, ranks,        CausalPartition
-                  shard, block, row_cost, owned         (sp_kpool.balance.sequence_partition)
+    partitions    kpool, shard, block, row_cost, owned  CausalPartition
+                                                        (sp_kpool.balance.sequence_partition)
+
+(a key holds what a value depends on besides the sequence itself: its boundaries and
+world size are fixed with it)
 
 What goes in is built by the module that owns the concept, from global quantities (the
 same on every rank); this object only keeps it, and nothing else is written into a

@@ -79,7 +79,7 @@ import os
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -220,9 +220,60 @@ def write_capture(
         "num_padding": seq.num_padding,
         "layout": seq.layout,
         **meta,
-        "crc32": json.dumps({k: _crc32(v) for k, v in tensors.items()}, sort_keys=True),
+        "crc32": crc32_record(tensors),
     }
     return save_atomic(path, tensors, full)
+
+
+def crc32_record(tensors: dict[str, torch.Tensor]) -> str:
+    """The ``crc32`` metadata of a file holding ``tensors``: a JSON object, tensor name ->
+    CRC-32 of its bytes (what :func:`read_checked` verifies)."""
+    return json.dumps({k: _crc32(v) for k, v in tensors.items()}, sort_keys=True)
+
+
+def fail(path: str | os.PathLike, what: str) -> CaptureError:
+    """A :class:`CaptureError` naming the file ``path`` and ``what`` is wrong with it."""
+    return CaptureError(f"{path}: {what}")
+
+
+def read_checked(path: str | os.PathLike, kind: str, read: Callable[[Any], Any]) -> Any:
+    """``read(fh)`` on the ``safetensors`` file ``path`` opened on the CPU (``fh``: its
+    ``safe_open`` handle). A missing file (``no such <kind>``) or one safetensors cannot read
+    (truncated, corrupted) is a :class:`CaptureError` naming the file; ``read`` raises its
+    own :class:`CaptureError` for what it checks (the format, the tensors present)."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise fail(path, f"no such {kind}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            return read(fh)
+    except CaptureError:
+        raise
+    except Exception as exc:  # safetensors raises its own error type (and OSError, ...)
+        raise fail(path, f"cannot be read as safetensors, the file is truncated or corrupted ({exc})") from exc
+
+
+def parse_crc32(path: str | os.PathLike, record: str) -> dict[str, int]:
+    """The ``crc32`` metadata ``record`` (:func:`crc32_record`) as tensor name -> CRC-32, or a
+    :class:`CaptureError` naming the file."""
+    try:
+        return {str(k): int(v) for k, v in json.loads(record).items()}
+    except (ValueError, TypeError, AttributeError):
+        raise fail(path, f"metadata 'crc32': expected a JSON object of integers, got {str(record)[:80]!r}") from None
+
+
+def verify_crc32(path: str | os.PathLike, tensors: dict[str, torch.Tensor], crc: dict[str, int]) -> None:
+    """Check every tensor's CRC-32 against ``crc`` (:func:`parse_crc32`); a
+    :class:`CaptureError` naming the file and the first tensor without an entry or whose
+    bytes changed."""
+    for name, t in tensors.items():
+        if name not in crc:
+            raise fail(path, f"metadata 'crc32' has no entry for tensor {name!r}")
+        got = _crc32(t)
+        if got != crc[name]:
+            raise fail(path, f"tensor {name!r} fails its checksum (stored crc32 {crc[name]:#010x}, computed "
+                             f"{got:#010x}): the file is corrupted")  # fmt: skip
 
 
 def save_atomic(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:

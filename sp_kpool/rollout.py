@@ -31,7 +31,6 @@ never replayed silently).
 from __future__ import annotations
 
 import base64
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .capture import CaptureError, _crc32, save_atomic
+from .capture import crc32_record, fail, parse_crc32, read_checked, save_atomic, verify_crc32
 from .checks import check_choice, check_int
 
 __all__ = ["FORMAT", "RolloutSelections", "narrowest", "write_selections", "read_selections", "from_sglang",
@@ -124,54 +123,38 @@ def write_selections(path: str | os.PathLike, layers: Sequence[Sequence[Any]], *
         raise ValueError(f"layers: at most 999 layers of 99999 documents, got {len(layers)} of {n_docs}")
     meta = {"format": FORMAT, "ids": ids, "num_layers": len(layers), "num_docs": n_docs,
             "kpool": kpool if kpool is not None else -1, "topk": topk if topk is not None else -1, "source": source,
-            "crc32": json.dumps({k: _crc32(v) for k, v in tensors.items()}, sort_keys=True)}  # fmt: skip
+            "crc32": crc32_record(tensors)}  # fmt: skip
     return save_atomic(path, tensors, meta)
-
-
-def _fail(path: Path, what: str) -> CaptureError:
-    return CaptureError(f"{path}: {what}")
 
 
 def read_selections(path: str | os.PathLike, *, verify: bool = True) -> RolloutSelections:
     """Read a file of :func:`write_selections` (every tensor's CRC-32 checked with ``verify``).
     Raises :class:`~sp_kpool.capture.CaptureError` naming the file and what is wrong."""
-    from safetensors import safe_open
-
     path = Path(path)
-    if not path.is_file():
-        raise _fail(path, "no such rollout selection file")
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            meta = fh.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise _fail(path, f"not an sp_kpool rollout selection file (metadata 'format' is "
-                                  f"{meta.get('format')!r}, expected {FORMAT!r})")  # fmt: skip
-            tensors = {n: fh.get_tensor(n) for n in fh.keys()}
-    except CaptureError:
-        raise
-    except Exception as exc:  # safetensors raises its own error type (and OSError, ...)
-        raise _fail(path, f"cannot be read as safetensors, the file is truncated or corrupted ({exc})") from exc
+
+    def read(fh):
+        meta = fh.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise fail(path, f"not an sp_kpool rollout selection file (metadata 'format' is "
+                             f"{meta.get('format')!r}, expected {FORMAT!r})")  # fmt: skip
+        return meta, {n: fh.get_tensor(n) for n in fh.keys()}
+
+    meta, tensors = read_checked(path, "rollout selection file", read)
     try:
         n_layers, n_docs = int(meta["num_layers"]), int(meta["num_docs"])
         kpool, topk = int(meta.get("kpool", -1)), int(meta.get("topk", -1))
-        crc = {str(k): int(v) for k, v in json.loads(meta["crc32"]).items()}
-        ids = meta["ids"]
+        crc_record, ids = meta["crc32"], meta["ids"]
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
-        raise _fail(path, f"bad metadata ({type(exc).__name__}: {exc})") from None
+        raise fail(path, f"bad metadata ({type(exc).__name__}: {exc})") from None
+    crc = parse_crc32(path, crc_record)
     if ids not in ("tokens", "pools"):
-        raise _fail(path, f"metadata 'ids': expected 'tokens' or 'pools', got {ids!r}")
+        raise fail(path, f"metadata 'ids': expected 'tokens' or 'pools', got {ids!r}")
     want = {f"layer{li:03d}.doc{d:05d}" for li in range(n_layers) for d in range(n_docs)}
     if set(tensors) != want:
         missing, extra = sorted(want - set(tensors))[:4], sorted(set(tensors) - want)[:4]
-        raise _fail(path, f"expected {n_layers} layers x {n_docs} documents, missing {missing}, unexpected {extra}")
+        raise fail(path, f"expected {n_layers} layers x {n_docs} documents, missing {missing}, unexpected {extra}")
     if verify:
-        for name, t in tensors.items():
-            if name not in crc:
-                raise _fail(path, f"metadata 'crc32' has no entry for tensor {name!r}")
-            got = _crc32(t)
-            if got != crc[name]:
-                raise _fail(path, f"tensor {name!r} fails its checksum (stored crc32 {crc[name]:#010x}, computed "
-                                  f"{got:#010x}): the file is corrupted")  # fmt: skip
+        verify_crc32(path, tensors, crc)
     layers = [[tensors[f"layer{li:03d}.doc{d:05d}"] for d in range(n_docs)] for li in range(n_layers)]
     return RolloutSelections(path=path, ids=ids, layers=layers, kpool=kpool if kpool > 0 else None,
                              topk=topk if topk > 0 else None, meta=dict(meta))  # fmt: skip

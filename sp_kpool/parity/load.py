@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..capture import FORMAT, PARAM_NAMES, CaptureError, _crc32
+from ..capture import FORMAT, PARAM_NAMES, CaptureError, fail, parse_crc32, read_checked, verify_crc32
 
 __all__ = ["Capture", "CaptureError", "FORMATS", "load_capture", "load_capture_set"]
 
@@ -155,19 +155,15 @@ class Capture:
         return RunOptions.from_record({**self.meta["options"], "backend": self.meta["backend"]})
 
 
-def _fail(path: Path, what: str) -> CaptureError:
-    return CaptureError(f"{path}: {what}")
-
-
 def _check_format(path: Path, found: str | None) -> dict[str, str | None]:
     """What a file of version ``found`` may lack (:data:`FORMATS`); a :class:`CaptureError`
     naming the file, the version found and the versions known if it is none of them."""
     if found in FORMATS:
         return FORMATS[found]
     if isinstance(found, str) and found.startswith(_PREFIX):
-        raise _fail(path, f"capture format {found!r} is not one this reader knows (it reads {list(FORMATS)}): "
+        raise fail(path, f"capture format {found!r} is not one this reader knows (it reads {list(FORMATS)}): "
                           "written by a newer sp_kpool?")  # fmt: skip
-    raise _fail(path, f"not an sp_kpool capture (metadata 'format' is {found!r}, expected one of {list(FORMATS)})")
+    raise fail(path, f"not an sp_kpool capture (metadata 'format' is {found!r}, expected one of {list(FORMATS)})")
 
 
 def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
@@ -178,36 +174,30 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
     Raises :class:`~sp_kpool.capture.CaptureError` naming the file and the problem (an
     unknown format version among them).
     """
-    from safetensors import safe_open
-
     path = Path(path)
-    if not path.is_file():
-        raise _fail(path, "no such capture file")
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            raw_meta = fh.metadata() or {}
-            names = set(fh.keys())
-            lacks = _check_format(path, raw_meta.get("format"))
-            want = {*_DATA, *(f"param.{n}" for n in PARAM_NAMES)}
-            if want - names:
-                raise _fail(path, f"missing tensors {sorted(want - names)}")
-            optional = {"prompt_lens", "layout.positions", "layout.counts", "layout.padding_docs"}
-            tensors = {n: fh.get_tensor(n) for n in sorted(want | (optional & names))}
-    except CaptureError:
-        raise
-    except Exception as exc:  # safetensors raises its own error type (and OSError, ...)
-        raise _fail(path, f"cannot be read as safetensors, the file is truncated or corrupted ({exc})") from exc
+
+    def read(fh):
+        raw_meta = fh.metadata() or {}
+        names = set(fh.keys())
+        lacks = _check_format(path, raw_meta.get("format"))
+        want = {*_DATA, *(f"param.{n}" for n in PARAM_NAMES)}
+        if want - names:
+            raise fail(path, f"missing tensors {sorted(want - names)}")
+        optional = {"prompt_lens", "layout.positions", "layout.counts", "layout.padding_docs"}
+        return raw_meta, lacks, {n: fh.get_tensor(n) for n in sorted(want | (optional & names))}
+
+    raw_meta, lacks, tensors = read_checked(path, "capture file", read)
 
     meta: dict[str, Any] = {"format": raw_meta["format"]}
     required = (*_INT_META, *_STR_META, "crc32", *(k for k in _LATER_META if k not in lacks))
     missing = [k for k in required if k not in raw_meta]
     if missing:
-        raise _fail(path, f"missing metadata {missing}")
+        raise fail(path, f"missing metadata {missing}")
     for k in _INT_META:
         try:
             meta[k] = int(raw_meta[k])
         except ValueError:
-            raise _fail(path, f"metadata {k!r}: expected an integer, got {raw_meta[k]!r}") from None
+            raise fail(path, f"metadata {k!r}: expected an integer, got {raw_meta[k]!r}") from None
     for k in _STR_META:
         meta[k] = raw_meta[k]
     for k in ("layout", "sp_kpool", "torch", "head_gate"):  # in an older file, what its version implies
@@ -217,23 +207,11 @@ def load_capture(path: str | os.PathLike, *, verify: bool = True) -> Capture:
         if not isinstance(options, dict):
             raise ValueError
     except ValueError:
-        raise _fail(path, f"metadata 'options': expected a JSON object, got {raw_meta['options'][:80]!r}") from None
+        raise fail(path, f"metadata 'options': expected a JSON object, got {raw_meta['options'][:80]!r}") from None
     meta["options"] = options
-    try:
-        crc = {str(k): int(v) for k, v in json.loads(raw_meta["crc32"]).items()}
-    except (ValueError, TypeError, AttributeError):
-        raise _fail(path, f"metadata 'crc32': expected a JSON object of integers, got {raw_meta['crc32'][:80]!r}") from None
+    crc = parse_crc32(path, raw_meta["crc32"])
     if verify:
-        for name, t in tensors.items():
-            if name not in crc:
-                raise _fail(path, f"metadata 'crc32' has no entry for tensor {name!r}")
-            got = _crc32(t)
-            if got != crc[name]:
-                raise _fail(
-                    path,
-                    f"tensor {name!r} fails its checksum (stored crc32 {crc[name]:#010x}, computed {got:#010x}): "
-                    "the file is corrupted",
-                )
+        verify_crc32(path, tensors, crc)
     cap = Capture(
         path=path, meta=meta, hidden=tensors["hidden"], q_resid=tensors["q_resid"],
         cu_seq_lens=tensors["cu_seq_lens"], ids=tensors["ids"],
@@ -262,10 +240,10 @@ def _config_record(path: Path, raw_meta: dict[str, str], meta: dict[str, Any]) -
         if not isinstance(record, dict):
             raise ValueError
     except ValueError:
-        raise _fail(path, f"metadata 'config': expected a JSON object, got {raw_meta['config'][:80]!r}") from None
+        raise fail(path, f"metadata 'config': expected a JSON object, got {raw_meta['config'][:80]!r}") from None
     differ = [f"{k}: {record[k]!r} vs {v!r}" for k, v in flat.items() if k in record and record[k] != v]
     if differ:
-        raise _fail(path, "metadata 'config' disagrees with the flat metadata (config vs flat): " + "; ".join(differ))
+        raise fail(path, "metadata 'config' disagrees with the flat metadata (config vs flat): " + "; ".join(differ))
     return record
 
 
@@ -277,7 +255,7 @@ def _check_shapes(c: Capture) -> None:
 
     def need(cond: bool, what: str) -> None:
         if not cond:
-            raise _fail(path, what)
+            raise fail(path, what)
 
     need(m["world_size"] >= 1 and 0 <= m["rank"] < m["world_size"], f"rank {m['rank']} of world size {m['world_size']} is impossible")
     need(m["precision"] in PRECISIONS, f"metadata 'precision': expected one of {list(PRECISIONS)}, got {m['precision']!r}")
@@ -328,7 +306,7 @@ def load_capture_set(path: str | os.PathLike, *, verify: bool = True) -> tuple[C
         return cap, [cap]
     m = _NAME_RE.match(cap.path.name)
     if not m or int(m["world"]) != R or int(m["rank"]) != cap.rank:
-        raise _fail(
+        raise fail(
             cap.path,
             f"rank {cap.rank} of {R}: the replay needs every rank's file, found by the name "
             f"'<stem>.rank<RRR>-of-{R:03d}.safetensors', but this file is named differently",
@@ -340,7 +318,7 @@ def load_capture_set(path: str | os.PathLike, *, verify: bool = True) -> tuple[C
             continue
         other = cap.path.with_name(f"{m['stem']}.rank{r:03d}-of-{R:03d}.safetensors")
         if not other.is_file():
-            raise _fail(
+            raise fail(
                 cap.path,
                 f"rank {r} of {R} is needed to rebuild the keys and gates of the whole sequence "
                 f"(replay stitches every rank's rows), but {other} does not exist",
@@ -350,7 +328,7 @@ def load_capture_set(path: str | os.PathLike, *, verify: bool = True) -> tuple[C
             "max_logits_bytes", "precision", "tag", "call")  # fmt: skip
     for c in caps:
         if c.rank != caps.index(c):
-            raise _fail(c.path, f"metadata says rank {c.rank}, but its name says rank {caps.index(c)}")
+            raise fail(c.path, f"metadata says rank {c.rank}, but its name says rank {caps.index(c)}")
         diff = [f"{k}: {c.meta[k]!r} vs {cap.meta[k]!r}" for k in same if c.meta[k] != cap.meta[k]]
         if not torch.equal(c.cu_seq_lens, cap.cu_seq_lens):
             diff.append("cu_seq_lens differ")
@@ -364,5 +342,5 @@ def load_capture_set(path: str | os.PathLike, *, verify: bool = True) -> tuple[C
             diff.append("prompt_lens differ")
         diff += [f"param {n} differs" for n in PARAM_NAMES if c.crc32[f"param.{n}"] != cap.crc32[f"param.{n}"]]
         if diff:
-            raise _fail(c.path, f"does not belong to the same call as {cap.path.name}: " + "; ".join(diff))
+            raise fail(c.path, f"does not belong to the same call as {cap.path.name}: " + "; ".join(diff))
     return cap, caps
