@@ -232,6 +232,39 @@ def _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, se
     return call
 
 
+def scoring_chunk_rows(backend: Backend, problem: Problem, num_pools: int) -> int:
+    """Rows per scoring chunk, from global quantities only (the same on every rank).
+
+    A chunk of ``C`` rows stores logits for its pool range only, which is at most
+    ``w(C) = min(P, (C + L - 1) // kpool + 1)`` pools wide (``L``: the longest real
+    document: a row sees pools of its own document, and the chunk's first document starts
+    at most ``L - 1`` rows before it). With packed short documents that is far below ``P``,
+    so the largest ``C`` (a multiple of 128) whose logits at width ``w(C)`` still fit the
+    budget is taken: fewer, larger chunks. With one document ``w(C) = P``: the chunk of
+    ``backend.chunk_rows(problem, P)``, whose ``ValueError`` (budget below one row) is
+    raised first, alike on every rank. Which rows share a chunk never changes a result.
+    """
+    C0 = backend.chunk_rows(problem, num_pools)  # raises alike when not one row fits
+    cu = problem.seq.real_cu_seq_lens
+    L = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    K = problem.config.kpool
+
+    def fits(C: int) -> bool:
+        return backend.chunk_rows(problem, max(1, min(num_pools, (C + L - 1) // K + 1))) >= C
+
+    if C0 < 128 or not fits(C0 + 128):
+        return C0
+    # fits(128 lo); not fits(128 (hi + 1)): chunk_rows is at most num_real_tokens
+    lo, hi = C0 // 128 + 1, max(C0 // 128 + 1, problem.seq.num_real_tokens // 128)
+    while lo < hi:  # the largest m with fits(128 m)
+        mid = (lo + hi + 1) // 2
+        if fits(128 * mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return 128 * lo
+
+
 def call_of(problem: Problem, options: RunOptions, counter: CommStats | None = None) -> Call:
     """The :class:`Call` of a built ``problem``: the backend, the scoring chunk and the balance partition of ``problem``, from global
     quantities only (the same on every rank)."""
@@ -240,7 +273,7 @@ def call_of(problem: Problem, options: RunOptions, counter: CommStats | None = N
     P = num_pools(seq, config.kpool)
     # the logits budget against global quantities, here, so that every rank raises alike
     # (a rank whose shard holds only padding never reaches the scoring chunks)
-    chunk = backend.chunk_rows(problem, P) if P else None
+    chunk = scoring_chunk_rows(backend, problem, P) if P else None
     part = None
     if options.balance == "causal" and seq.world_size > 1:
         block = options.balance_block

@@ -38,7 +38,7 @@ def test_lmdeploy_sparse_index_topk_importable():
     # skipped when lmdeploy is not installed (gpu_check failed here); installed but not
     # importable fails
     from sp_kpool._probe import probe
-    from sp_kpool.selection import _radix_selector
+    from sp_kpool.selectors import _radix_selector
 
     assert _radix_selector(512) is not None, probe("lmdeploy.pytorch.kernels.cuda.sparse_index_topk")[1]
 
@@ -56,7 +56,7 @@ def test_fp32_candidates_equal_exact(cache, levels):
 @pytest.mark.requires("lmdeploy")
 @pytest.mark.parametrize("levels", LEVELS)
 def test_radix_with_check_equal_exact(cache, levels):
-    from sp_kpool.selection import _radix_selector, topk_pools_radix
+    from sp_kpool.selectors import _radix_selector, topk_pools_radix
 
     sel = _radix_selector(512)
     if sel is None:  # the failure is test_lmdeploy_sparse_index_topk_importable's (gpu_check skipped these too)
