@@ -243,6 +243,8 @@ def scoring_chunk_rows(backend: Backend, problem: Problem, num_pools: int) -> in
     budget is taken: fewer, larger chunks. With one document ``w(C) = P``: the chunk of
     ``backend.chunk_rows(problem, P)``, whose ``ValueError`` (budget below one row) is
     raised first, alike on every rank. Which rows share a chunk never changes a result.
+    Not used with ``balance="causal"`` (world size > 1), whose boundaries are multiples of
+    the whole-width chunk: a larger block would coarsen the balance.
     """
     C0 = backend.chunk_rows(problem, num_pools)  # raises alike when not one row fits
     cu = problem.seq.real_cu_seq_lens
@@ -273,9 +275,15 @@ def call_of(problem: Problem, options: RunOptions, counter: CommStats | None = N
     P = num_pools(seq, config.kpool)
     # the logits budget against global quantities, here, so that every rank raises alike
     # (a rank whose shard holds only padding never reaches the scoring chunks)
-    chunk = scoring_chunk_rows(backend, problem, P) if P else None
+    balancing = options.balance == "causal" and seq.world_size > 1
+    # the causal balance aligns its boundaries to the chunk: there the whole-width chunk, as
+    # before (a larger one would coarsen the balance)
+    if P:
+        chunk = backend.chunk_rows(problem, P) if balancing else scoring_chunk_rows(backend, problem, P)
+    else:
+        chunk = None
     part = None
-    if options.balance == "causal" and seq.world_size > 1:
+    if balancing:
         block = options.balance_block
         if block is None:  # global quantities only: the same on every rank
             block = chunk if chunk is not None else backend.chunk_rows(problem, 0)

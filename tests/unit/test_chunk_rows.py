@@ -50,3 +50,16 @@ def test_results_do_not_depend_on_the_chunk(monkeypatch):
 def test_budget_below_one_row_still_raises():
     with pytest.raises(ValueError, match="max_logits_bytes: expected at least"):
         scoring_chunk_rows(BACKENDS["torch"], _problem([64] * 8, 8), 128)
+
+
+def test_causal_balance_keeps_the_whole_width_block():
+    from sp_kpool.agreement import call_of
+    from sp_kpool.config import RunOptions
+
+    p = _problem([64] * 64, 4 * 2**20)
+    be = BACKENDS["torch"]
+    P = num_pools(p.seq, 4)
+    assert call_of(p, RunOptions(backend="torch")).chunk == scoring_chunk_rows(be, p, P) > be.chunk_rows(p, P)
+    balanced = call_of(p, RunOptions(backend="torch", balance="causal"))
+    assert balanced.chunk == be.chunk_rows(p, P)
+    assert balanced.partition is None or balanced.partition.block == be.chunk_rows(p, P)
