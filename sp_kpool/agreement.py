@@ -244,9 +244,19 @@ def scoring_chunk_rows(backend: Backend, problem: Problem, num_pools: int) -> in
     ``backend.chunk_rows(problem, P)``, whose ``ValueError`` (budget below one row) is
     raised first, alike on every rank. Which rows share a chunk never changes a result.
     Not used with ``balance="causal"`` (world size > 1), whose boundaries are multiples of
-    the whole-width chunk: a larger block would coarsen the balance.
+    the whole-width chunk: a larger block would coarsen the balance. Kept in the ``chunks``
+    section of ``seq.batch`` (a search of about ten ``chunk_rows`` evaluations, once per
+    batch, not per layer).
     """
-    C0 = backend.chunk_rows(problem, num_pools)  # raises alike when not one row fits
+    C0 = backend.chunk_rows(problem, num_pools)  # raises alike when not one row fits (every call)
+    key = (backend.name, num_pools, problem.config, problem.settings, problem.heads, problem.head_dim, problem.device)
+    return problem.seq.batch.get("chunks", key, lambda: _grow_chunk(backend, problem, num_pools, C0),
+                                 cache=problem.settings.table_cache)  # fmt: skip
+
+
+def _grow_chunk(backend: Backend, problem: Problem, num_pools: int, C0: int) -> int:
+    """The largest multiple of 128 rows (at least ``C0``) whose logits at the widest chunk's
+    width fit the budget (:func:`scoring_chunk_rows`)."""
     cu = problem.seq.real_cu_seq_lens
     L = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     K = problem.config.kpool

@@ -14,6 +14,8 @@ reuses what it holds, in named sections::
     owned_work    kpool, row_cost                       per-rank work (sp_kpool.balance.owned_work)
     partitions    kpool, shard, block, row_cost, owned  CausalPartition
                                                         (sp_kpool.balance.sequence_partition)
+    chunks        backend, pools, config, settings,     rows per scoring chunk
+                  heads, head dim, device               (sp_kpool.agreement.scoring_chunk_rows)
 
 (a key holds what a value depends on besides the sequence itself: its boundaries and
 world size are fixed with it)
@@ -35,7 +37,7 @@ from typing import Any, Callable
 __all__ = ["BatchCache", "TableCache", "SECTIONS"]
 
 #: The sections of a :class:`BatchCache` and the entries each keeps.
-SECTIONS = {"plans": 8, "spans": 8, "row_work": 4, "owned_work": 8, "partitions": 16}
+SECTIONS = {"plans": 8, "spans": 8, "row_work": 4, "owned_work": 8, "partitions": 16, "chunks": 8}
 
 
 class TableCache:

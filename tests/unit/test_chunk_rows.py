@@ -40,7 +40,10 @@ def test_chunks_fit_the_budget_and_grow_with_short_documents(lengths):
 def test_results_do_not_depend_on_the_chunk(monkeypatch):
     import sp_kpool.agreement as ag
 
-    p = _problem([64] * 40 + [300, 17], 64 * 1024)
+    p = _problem([64] * 40 + [300, 17], 4 * 2**20)
+    be = BACKENDS["torch"]
+    P = num_pools(p.seq, 4)
+    assert scoring_chunk_rows(be, p, P) > be.chunk_rows(p, P)  # the two runs chunk differently
     got = solve(p, "torch").ids
     monkeypatch.setattr(ag, "scoring_chunk_rows", lambda be, pr, P: be.chunk_rows(pr, P))
     want = solve(dataclasses.replace(p), "torch").ids
@@ -63,3 +66,15 @@ def test_causal_balance_keeps_the_whole_width_block():
     balanced = call_of(p, RunOptions(backend="torch", balance="causal"))
     assert balanced.chunk == be.chunk_rows(p, P)
     assert balanced.partition is None or balanced.partition.block == be.chunk_rows(p, P)
+
+
+def test_chunk_rows_are_kept_per_batch():
+    p = _problem([64] * 64, 4 * 2**20)
+    be = BACKENDS["torch"]
+    P = num_pools(p.seq, 4)
+    C = scoring_chunk_rows(be, p, P)
+    assert len(p.seq.batch.section("chunks")) == 1
+    assert scoring_chunk_rows(be, p, P) == C and len(p.seq.batch.section("chunks")) == 1
+    other = dataclasses.replace(p, config=dataclasses.replace(p.config, max_logits_bytes=2 * 2**20))
+    assert scoring_chunk_rows(be, other, P) < C  # the budget is in the key
+    assert len(p.seq.batch.section("chunks")) == 2
