@@ -28,8 +28,11 @@ same code checks the selection logic.
 **Selection without stored logits.** One program owns ``BQ`` rows and streams their pools in
 ascending id, in blocks of ``BP``. Per row it keeps a threshold key ``tau`` (the monotone
 int32 key of :func:`sp_kpool.kernels.triton_topk_search.row_keys`) and appends every visible
-cell whose key is ``> tau`` to a candidate buffer of ``cap`` entries (key and pool id; a slot
-from one relaxed atomic per passing cell, so the buffer is in no particular order). Every
+cell whose key is ``> tau`` to a candidate buffer of ``cap`` entries (key and pool id). The
+slot of a passing cell is, by default, the row's count (in registers) plus the cells passing
+before it in the block (a prefix count down the block's pools): the buffer holds ascending pool
+ids and no atomic is needed; ``slots="atomic"`` takes one relaxed atomic per passing cell
+instead (the buffer in no particular order; compaction needs no order). Every
 ``CHECK`` blocks (one barrier) a row holding more than ``cap - CHECK BP`` entries is
 compacted: ``T`` = its ``k``-th largest buffered key; kept are the keys ``> T`` and, of the
 keys ``== T``, the ones with the lowest pool ids, ``k`` in all: exactly the row's Top-K of
@@ -51,7 +54,7 @@ import triton.language as tl
 
 from .triton_topk_search import row_keys
 
-__all__ = ["score_select", "supports", "capacity"]
+__all__ = ["score_select", "scores_probe", "supports", "capacity"]
 
 #: Pools per block (the ``M`` of each dot; a multiple of 64 for wgmma).
 BLOCK_P = 64
@@ -63,6 +66,9 @@ compiled: dict = {}
 
 #: Blocks between two compaction checks (each check is one barrier).
 CHECK = 8
+
+#: How a passing cell gets its candidate slot by default (:func:`score_select`'s ``slots``).
+SLOTS = "scan"
 
 
 def capacity(k: int, block_p: int = BLOCK_P, check: int = CHECK) -> int:
@@ -180,7 +186,7 @@ def _compact(bk, bi, n, k, CAP: tl.constexpr):
 def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Logits, sl_r, Out, so_r, BufK, BufI,
                   Cnt, Emitted, k, pool_base, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
                   CAP: tl.constexpr, KP: tl.constexpr, DENSE: tl.constexpr, ONE_DOT: tl.constexpr,
-                  CHECK: tl.constexpr):  # fmt: skip
+                  CHECK: tl.constexpr, SCAN: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
     MINK: tl.constexpr = -2147483648
     N: tl.constexpr = BQ * 8
     pid = tl.program_id(0)
@@ -208,7 +214,10 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
         qcol = Q + nrow.to(tl.int64) * sq_r + nj * sq_h  # [N] pointers to channel 0 of head j (m = 0)
         wcol = W + nrow.to(tl.int64) * sw_r + nj
     slot = (pid * BQ + iq).to(tl.int64) * CAP  # each row's candidate buffer
-    crow = Cnt + pid * BQ + iq  # each row's candidate count (atomic)
+    crow = Cnt + pid * BQ + iq  # each row's candidate count (atomic; SCAN: `cnt`, in registers)
+    cnt = tl.zeros((BQ,), tl.int32)
+    if DENSE and not STORE:  # the scorer without stores: a running max per cell, one value per row stored
+        probe = tl.full((BP, BQ), float("-inf"), tl.float32)
     tau = tl.full((BQ,), MINK, tl.int32)
     dropped = tl.zeros((BQ,), tl.int32)
     bp = tl.arange(0, BP)
@@ -248,31 +257,45 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
             logit = x + y  # [BP, BQ]
             vis = (p[:, None] >= ks[None, :]) & (p[:, None] < ke[None, :])
             if DENSE:
-                dst = Logits + rows.to(tl.int64)[None, :] * sl_r + p[:, None]
-                tl.store(dst, logit, mask=vis)
+                if STORE:
+                    dst = Logits + rows.to(tl.int64)[None, :] * sl_r + p[:, None]
+                    tl.store(dst, logit, mask=vis)
+                else:
+                    probe = tl.maximum(probe, tl.where(vis, logit, float("-inf")))
             else:
                 key = row_keys(logit, vis)
                 take = key > tau[None, :]
-                # a slot per passing cell: one relaxed atomic each (no scan, no barrier per block)
-                pos = tl.atomic_add(crow[None, :] + tl.zeros((BP, BQ), tl.int32), 1, mask=take, sem="relaxed")
+                if SCAN:  # slots by an exclusive prefix count down the block's pools (ascending id)
+                    t32 = take.to(tl.int32)
+                    pos = cnt[None, :] + tl.cumsum(t32, axis=0) - t32
+                    cnt += tl.sum(t32, axis=0)
+                else:  # a slot per passing cell: one relaxed atomic each (no scan, no barrier per block)
+                    pos = tl.atomic_add(crow[None, :] + tl.zeros((BP, BQ), tl.int32), 1, mask=take, sem="relaxed")
                 tl.store(BufK + slot[None, :] + pos, key, mask=take)
                 tl.store(BufI + slot[None, :] + pos, p[:, None] + tl.zeros((BP, BQ), tl.int32), mask=take)
         if not DENSE:  # every CHECK blocks: compact the buffers the next CHECK blocks could overflow
             tl.debug_barrier()
-            cnt = tl.load(crow, volatile=True)
+            if not SCAN:
+                cnt = tl.load(crow, volatile=True)
             for i in tl.static_range(BQ):
                 ci = tl.sum(tl.where(iq == i, cnt, 0))
                 if ci > CAP - CHECK * BP:  # the next CHECK blocks could overflow it
                     si = (pid * BQ + i).to(tl.int64) * CAP
                     kept, t = _compact(BufK + si, BufI + si, ci, k, CAP)
-                    tl.store(Cnt + pid * BQ + i, kept)
+                    if SCAN:
+                        cnt = tl.where(iq == i, kept, cnt)
+                    else:
+                        tl.store(Cnt + pid * BQ + i, kept)
                     dropped = tl.where(iq == i, dropped + ci - kept, dropped)
                     tau = tl.where(iq == i, t, tau)
             tl.debug_barrier()
+    if DENSE and not STORE:
+        tl.store(Logits + rows.to(tl.int64) * sl_r, tl.max(probe, axis=0), mask=rok)
     if not DENSE:
         tl.debug_barrier()
         kofs = tl.arange(0, KP)
-        cnt = tl.load(crow, volatile=True)
+        if not SCAN:
+            cnt = tl.load(crow, volatile=True)
         for i in tl.static_range(BQ):
             row = row0 + pid * BQ + i
             if row < row0 + nrows:
@@ -292,7 +315,7 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
                  ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None, pool_base: int = 0,
                  dense: bool = False, out: torch.Tensor | None = None, block_q: int | None = None,
                  block_p: int = BLOCK_P, num_warps: int = 4, num_stages: int = 3, one_dot: bool | None = None,
-                 cap: int | None = None, check: int = CHECK):  # fmt: skip
+                 cap: int | None = None, check: int = CHECK, slots: str = SLOTS):  # fmt: skip
     """Scores (``dense``) or selected pools of query rows against pools, DeepGEMM's arithmetic.
 
     Args:
@@ -311,6 +334,9 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
             default there) or one ``[block_p, 128] x [128, 8 block_q]`` dot per chain step.
         cap, check: candidate entries per row (default :func:`capacity`) and blocks between
             two compaction checks (``cap >= k + check * block_p``).
+        slots: how a passing cell gets its buffer slot: ``"scan"`` (a prefix count down the
+            block's pools, the row counts in registers; the buffer in ascending pool id) or
+            ``"atomic"`` (one relaxed atomic per passing cell). The same ids either way.
 
     Returns:
         ``dense``: logits ``[b - a, P]`` float32. Otherwise ``(pools, emitted)``: ``[b - a,
@@ -327,6 +353,8 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
         raise ValueError(f"one_dot: needs H in (32, 64) and block_q * H >= 128, got H = {H}, block_q = {block_q}")
     if not one_dot and block_q < 4:  # N = 8 block_q < 32: Triton may pick mma.sync, not wgmma (measured at N 8)
         raise ValueError(f"block_q: expected at least 4 with one_dot=False, got {block_q}")
+    if slots not in ("scan", "atomic"):
+        raise ValueError(f"slots: expected 'scan' or 'atomic', got {slots!r}")
     a, b = rows if rows is not None else (0, C)
     nr = b - a
     dev = q8.device
@@ -337,32 +365,55 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
         logits = torch.full((C, max(P, 1)), float("nan"), dtype=torch.float32, device=dev)
         dummy = torch.empty(1, dtype=torch.int32, device=dev)
         _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, dummy, dummy, dummy, dummy, dummy, k, pool_base,
-                H, D, block_q, block_p, cap, 1, True, num_warps, num_stages, one_dot, check)  # fmt: skip
+                H, D, block_q, block_p, cap, 1, True, num_warps, num_stages, one_dot, check, True, True)  # fmt: skip
         return logits[a:b]
     if out is None:
         out = torch.empty((nr, k), dtype=torch.int32, device=dev)
     elif out.shape != (nr, k) or out.dtype != torch.int32 or out.stride(-1) != 1:
         raise ValueError(f"out: expected an int32 tensor of shape {(nr, k)} with unit column stride, got "
                          f"{out.dtype} {tuple(out.shape)}")  # fmt: skip
-    slots = grid[0] * block_q
-    counts = torch.zeros(slots, dtype=torch.int32, device=dev)
-    buf_k = torch.empty((slots, cap), dtype=torch.int32, device=dev)
-    buf_i = torch.empty((slots, cap), dtype=torch.int32, device=dev)
+    n_buf = grid[0] * block_q  # candidate buffers (one per row of the launch grid)
+    counts = torch.zeros(n_buf if slots == "atomic" else 1, dtype=torch.int32, device=dev)
+    buf_k = torch.empty((n_buf, cap), dtype=torch.int32, device=dev)
+    buf_i = torch.empty((n_buf, cap), dtype=torch.int32, device=dev)
     emitted = torch.empty(nr, dtype=torch.int32, device=dev)
     kp = 1 << max(0, k - 1).bit_length()
     _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, out, out, buf_k, buf_i, counts, emitted, k, pool_base, H, D,
-            block_q, block_p, cap, kp, False, num_warps, num_stages, one_dot, check)  # fmt: skip
+            block_q, block_p, cap, kp, False, num_warps, num_stages, one_dot, check, slots == "scan", True)  # fmt: skip
     return out, emitted
 
 
+def scores_probe(q8, w, k8, k_scale, starts, ends, **launch) -> torch.Tensor:
+    """The dense mode **without its stores** (a benchmark probe: the scorer's own cost): per row the
+    largest in-range logit (``[C]`` float32, ``-inf`` for an empty row; NaN logits may or may not
+    propagate), one value stored per row. ``launch``: ``block_q``, ``block_p``, ``num_warps``,
+    ``num_stages``, ``one_dot`` as :func:`score_select`."""
+    C, H, D = q8.shape
+    why = supports(H, D, 1)
+    if why:
+        raise ValueError(f"scores_probe: {'; '.join(why)}")
+    one_dot = launch.get("one_dot")
+    one_dot = H in (32, 64) if one_dot is None else one_dot
+    block_q = launch.get("block_q") or (128 // H if one_dot else 4)
+    block_p = launch.get("block_p", BLOCK_P)
+    out = torch.empty((C, 1), dtype=torch.float32, device=q8.device)
+    dummy = torch.empty(1, dtype=torch.int32, device=q8.device)
+    _launch((max(1, triton.cdiv(C, block_q)),), q8, w, k8, k_scale, starts, ends, 0, C, out, dummy, dummy, dummy, dummy,
+            dummy, 1, 0, H, D, block_q, block_p, capacity(1, block_p), 1, True, launch.get("num_warps", 4),
+            launch.get("num_stages", 3), one_dot, CHECK, True, False)  # fmt: skip
+    return out[:, 0]
+
+
 def _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, out, buf_k, buf_i, counts, emitted, k, pool_base, H,
-            D, block_q, block_p, cap, kp, dense, num_warps, num_stages, one_dot, check):  # fmt: skip
+            D, block_q, block_p, cap, kp, dense, num_warps, num_stages, one_dot, check, scan, store):  # fmt: skip
     if cap < k + check * block_p:
         raise ValueError(f"cap: expected at least k + check * block_p = {k + check * block_p}, got {cap}")
     kernel = _fused_kernel[grid](
         q8, q8.stride(0), q8.stride(1), w, w.stride(0), k8, k_scale, starts, ends, a, nr,
         logits, logits.stride(0), out, out.stride(0), buf_k, buf_i, counts, emitted, k, pool_base,
-        H=H, D=D, BQ=block_q, BP=block_p, CAP=cap, KP=kp, DENSE=dense, ONE_DOT=one_dot, CHECK=check, num_warps=num_warps, num_stages=num_stages,
+        H=H, D=D, BQ=block_q, BP=block_p, CAP=cap, KP=kp, DENSE=dense, ONE_DOT=one_dot, CHECK=check, SCAN=scan,
+        STORE=store, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False,
     )  # fmt: skip
-    compiled[(H, block_q, block_p, dense, one_dot)] = kernel
+    if store:  # (not the stores-free probe)
+        compiled[(H, block_q, block_p, dense, one_dot)] = kernel

@@ -497,6 +497,11 @@ def check_fused(q8, w, k8, scale, starts, ends, k, **kw):
     got, emitted = ff.score_select(q8, w, k8, scale, starts, ends, k, pool_base=5, **kw)
     assert torch.equal(got, want)
     assert (emitted <= (ends - starts).clamp(min=0)).all()
+    # the other way to take slots (atomics; the default is a prefix count): the same gate, so
+    # the same ids and the same cells let through
+    other = "atomic" if ff.SLOTS == "scan" else "scan"
+    got2, emitted2 = ff.score_select(q8, w, k8, scale, starts, ends, k, pool_base=5, slots=other, **kw)
+    assert torch.equal(got2, want) and torch.equal(emitted2, emitted)
     return dense, emitted
 
 
@@ -518,6 +523,19 @@ def test_fused_fp8_selection_equals_dense_logits_plus_exact_topk(H, bq, one_dot)
     vis = in_range(dense, starts, ends)
     assert torch.allclose(dense[vis], ref[vis], rtol=1e-4, atol=1e-4)
     assert int(emitted.max()) < 700  # the gate dropped cells on the long rows
+
+
+def test_scores_probe_is_the_row_max_of_the_dense_logits():
+    C, H, P = 5, 64, 300
+    q8, w, k8, scale = fp8_case(C, H, P, seed=8)
+    starts = torch.tensor([0, 10, 299, 40, 7], dtype=torch.int32)
+    ends = torch.tensor([300, 200, 300, 40, 8], dtype=torch.int32)  # an empty row: -inf
+    dense = ff.score_select(q8, w, k8, scale, starts, ends, 1, dense=True)
+    want = torch.where(in_range(dense, starts, ends), dense, -float("inf")).max(dim=1).values
+    got = ff.scores_probe(q8, w, k8, scale, starts, ends)
+    assert torch.equal(got, want) and got[3] == -float("inf")
+    with pytest.raises(ValueError, match="slots: expected 'scan' or 'atomic', got 'ballot'"):
+        ff.score_select(q8, w, k8, scale, starts, ends, 1, slots="ballot")
 
 
 @pytest.mark.parametrize("case", ["ties", "plateau", "recency", "nonfinite"])
@@ -559,7 +577,7 @@ def test_fused_gate_keeps_a_later_pool_one_ulp_above_the_threshold():
 
 
 def test_compaction_breaks_ties_by_pool_id_in_any_buffer_order():
-    # the buffer is filled by atomics (no order on the GPU): compaction must keep, of the keys
+    # the buffer may be filled by atomics (no order on the GPU): compaction must keep, of the keys
     # equal to the k-th, the lowest pool ids wherever they sit in the buffer
     import triton
     import triton.language as tl
