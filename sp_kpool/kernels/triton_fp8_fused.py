@@ -33,9 +33,9 @@ slot of a passing cell is, by default, the row's count (in registers) plus the c
 before it in the block (a prefix count down the block's pools): the buffer holds ascending pool
 ids and no atomic is needed; ``slots="atomic"`` takes one relaxed atomic per passing cell
 instead (the buffer in no particular order; compaction needs no order). Every
-``CHECK`` blocks (one barrier) every row holding more than ``cap - CHECK BP`` entries is
-compacted (the program's rows together, one bisection step for all): ``T`` = its ``k``-th
-largest buffered key; kept are the keys ``> T`` and, of the keys ``== T``, the ones with the lowest pool ids, ``k`` in all: exactly the row's Top-K of
+``CHECK`` blocks (one barrier) a row holding more than ``cap - CHECK BP`` entries is
+compacted: ``T`` = its ``k``-th largest buffered key; kept are the keys ``> T`` and, of the
+keys ``== T``, the ones with the lowest pool ids, ``k`` in all: exactly the row's Top-K of
 the pools seen so far; ``tau = T``. Exact because pools come in ascending id: a later cell
 with key ``<= T`` ranks below ``k`` kept cells (equal keys lose to lower ids), and a dropped
 cell ranks below ``k`` kept ones; ``tau`` only rises. After a compaction ``k`` entries
@@ -138,51 +138,48 @@ def _chain(x, w, BP: tl.constexpr, BQ: tl.constexpr, NM: tl.constexpr):
 
 
 @triton.jit
-def _compact_rows(BufK, BufI, base, n, todo, k, BQ: tl.constexpr, CAP: tl.constexpr):
-    """Keep the Top-K of the buffered (key, pool id) entries of every row ``r`` with ``todo[r]``,
-    all rows at once: row ``r``'s ``n[r] > k`` entries at ``BufK/BufI + base[r]`` (in any order;
-    ids distinct). Kept are the keys above the row's ``k``-th largest ``T`` and, of the keys
-    equal to it, those with the lowest ids (``k`` in all), moved to the front of the buffer in
-    their buffer order. Returns ``(kept, T)`` per row (only meaningful where ``todo``).
-
-    ``T`` by bisection on the key value, every row in the same step (one reduction each):
-    ``count(keys >= lo) >= k > count(keys >= hi)`` from ``lo`` = the row's smallest key and
-    ``hi`` = its largest + 1. The ids are bisected only when some row keeps part of its ties."""
-    MINK: tl.constexpr = -2147483648
-    j = tl.arange(0, CAP)
-    ok = todo[:, None] & (j[None, :] < n[:, None])  # [BQ, CAP]
-    ptr = base[:, None] + j[None, :]
-    keys = tl.load(BufK + ptr, mask=ok, other=MINK)
-    lo = tl.min(tl.where(ok, keys, 2147483647), axis=1).to(tl.int64)  # count(keys >= lo) = n >= k
-    hi = tl.max(keys, axis=1).to(tl.int64) + 1  # count(keys >= hi) = 0 < k
-    lo = tl.where(todo, lo, 0)
-    hi = tl.where(todo, hi, 1)
-    while tl.max(hi - lo) > 1:
-        mid = lo + (hi - lo) // 2  # lo < mid < hi <= max key + 1: fits int32
-        big = tl.sum((ok & (keys >= mid.to(tl.int32)[:, None])).to(tl.int32), axis=1) >= k
-        lo = tl.where(big, mid, lo)
-        hi = tl.where(big, hi, mid)
+def _kth_key(keys, k):
+    """The ``k``-th largest of ``keys`` (int32, at least ``k`` of them above ``INT32_MIN``)
+    and how many are strictly above it: bisection on the key value."""
+    lo = tl.full((), -2147483648, tl.int64)  # count(keys >= lo) >= k
+    hi = tl.max(keys).to(tl.int64) + 1  # count(keys >= hi) < k
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if tl.sum((keys.to(tl.int64) >= mid).to(tl.int32)) >= k:
+            lo = mid
+        else:
+            hi = mid
     t = lo.to(tl.int32)
-    gt = ok & (keys > t[:, None])
-    eq = ok & (keys == t[:, None])
-    need = k - tl.sum(gt.to(tl.int32), axis=1)  # keys equal to T to keep: the `need` lowest ids
-    ids = tl.load(BufI + ptr, mask=ok, other=2147483647)
-    keep = gt | eq
-    if tl.max(tl.sum(eq.to(tl.int32), axis=1) - need) > 0:  # some row keeps only part of its ties
-        ilo = tl.full((BQ,), -1, tl.int32)  # count(eq & ids <= ilo) < need
-        ihi = tl.max(tl.where(eq, ids, -1), axis=1)  # count(eq & ids <= ihi) >= need
-        while tl.max(ihi - ilo) > 1:
-            mid = ilo + (ihi - ilo) // 2
-            enough = tl.sum((eq & (ids <= mid[:, None])).to(tl.int32), axis=1) >= need
-            ihi = tl.where(enough, mid, ihi)
-            ilo = tl.where(enough, ilo, mid)
-        keep = gt | (eq & (ids <= ihi[:, None]))
-    pos = tl.cumsum(keep.to(tl.int32), axis=1) - 1
+    return t, tl.sum((keys > t).to(tl.int32))
+
+
+@triton.jit
+def _compact(bk, bi, n, k, CAP: tl.constexpr):
+    """Keep the Top-K of the ``n`` buffered (key, pool id) entries at ``bk``/``bi`` (in any
+    order; ids distinct): the keys above the ``k``-th largest ``T`` and, of the keys equal to
+    it, those with the lowest ids; returns ``(kept, T)``, ``kept = min(n, k)``."""
+    j = tl.arange(0, CAP)
+    ok = j < n
+    keys = tl.load(bk + j, mask=ok, other=-2147483648)
+    ids = tl.load(bi + j, mask=ok, other=2147483647)
+    t, n_gt = _kth_key(keys, k)
+    eq = ok & (keys == t)
+    need = k - n_gt  # keys equal to T to keep: the `need` lowest ids among them
+    lo = tl.full((), -1, tl.int32)  # count(eq & ids <= lo) < need
+    hi = tl.max(tl.where(eq, ids, -1))  # count(eq & ids <= hi) >= need
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if tl.sum((eq & (ids <= mid)).to(tl.int32)) >= need:
+            hi = mid
+        else:
+            lo = mid
+    keep = (ok & (keys > t)) | (eq & (ids <= hi))
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.debug_barrier()  # every entry is read before any is moved
-    tl.store(BufK + base[:, None] + pos, keys, mask=keep)
-    tl.store(BufI + base[:, None] + pos, ids, mask=keep)
+    tl.store(bk + pos, keys, mask=keep)
+    tl.store(bi + pos, ids, mask=keep)
     tl.debug_barrier()
-    return tl.sum(keep.to(tl.int32), axis=1), t
+    return tl.sum(keep.to(tl.int32)), t
 
 
 @triton.jit
@@ -280,34 +277,38 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
             tl.debug_barrier()
             if not SCAN:
                 cnt = tl.load(crow, volatile=True)
-            todo = cnt > CAP - CHECK * BP
-            if tl.max(todo.to(tl.int32)) > 0:
-                kept, t = _compact_rows(BufK, BufI, slot, cnt, todo, k, BQ, CAP)
-                dropped += tl.where(todo, cnt - kept, 0)
-                tau = tl.where(todo, t, tau)
-                cnt = tl.where(todo, kept, cnt)
-                if not SCAN:
-                    tl.store(crow, cnt, mask=todo)
+            for i in tl.static_range(BQ):
+                ci = tl.sum(tl.where(iq == i, cnt, 0))
+                if ci > CAP - CHECK * BP:  # the next CHECK blocks could overflow it
+                    si = (pid * BQ + i).to(tl.int64) * CAP
+                    kept, t = _compact(BufK + si, BufI + si, ci, k, CAP)
+                    if SCAN:
+                        cnt = tl.where(iq == i, kept, cnt)
+                    else:
+                        tl.store(Cnt + pid * BQ + i, kept)
+                    dropped = tl.where(iq == i, dropped + ci - kept, dropped)
+                    tau = tl.where(iq == i, t, tau)
             tl.debug_barrier()
     if DENSE and not STORE:
         tl.store(Logits + rows.to(tl.int64) * sl_r, tl.max(probe, axis=0), mask=rok)
     if not DENSE:
         tl.debug_barrier()
+        kofs = tl.arange(0, KP)
         if not SCAN:
             cnt = tl.load(crow, volatile=True)
-        emitted = cnt + dropped
-        todo = rok & (cnt > k)
-        if tl.max(todo.to(tl.int32)) > 0:
-            kept, _t = _compact_rows(BufK, BufI, slot, cnt, todo, k, BQ, CAP)  # (KP <= CAP)
-            cnt = tl.where(todo, kept, cnt)
-        kofs = tl.arange(0, KP)
-        sel = kofs[None, :] < cnt[:, None]  # [BQ, KP]
-        ids = tl.load(BufI + slot[:, None] + kofs[None, :], mask=sel, other=2147483647)
-        ids = tl.sort(ids)  # each row in ascending pool id; the unused slots (INT32_MAX) last
-        val = tl.where(sel, ids + pool_base, -1)
-        orow = (rows - row0).to(tl.int64)
-        tl.store(Out + orow[:, None] * so_r + kofs[None, :], val, mask=rok[:, None] & (kofs[None, :] < k))
-        tl.store(Emitted + orow, emitted, mask=rok)
+        for i in tl.static_range(BQ):
+            row = row0 + pid * BQ + i
+            if row < row0 + nrows:
+                ci = tl.sum(tl.where(iq == i, cnt, 0))
+                si = (pid * BQ + i).to(tl.int64) * CAP
+                n_sel = ci
+                if ci > k:
+                    n_sel, _t = _compact(BufK + si, BufI + si, ci, k, CAP)
+                ids = tl.load(BufI + si + kofs, mask=kofs < n_sel, other=2147483647)
+                ids = tl.sort(ids)  # ascending pool id; the unused slots (INT32_MAX) last
+                val = tl.where(kofs < n_sel, ids + pool_base, -1)
+                tl.store(Out + (row - row0).to(tl.int64) * so_r + kofs, val, mask=kofs < k)
+                tl.store(Emitted + (row - row0), ci + tl.sum(tl.where(iq == i, dropped, 0)))
 
 
 def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, starts: torch.Tensor,

@@ -549,10 +549,8 @@ def test_fused_fp8_selection_hard_inputs(case):
         w[2, 0] = float("inf")
     starts = torch.tensor([0, 1, 64, 0, 300, 7], dtype=torch.int32)
     ends = torch.tensor([900, 899, 833, 24, 900, 31], dtype=torch.int32)
-    _, emitted = check_fused(q8, w, k8, scale, starts, ends, k)
+    check_fused(q8, w, k8, scale, starts, ends, k)
     check_fused(q8, w, k8, scale, starts, ends, 1)
-    if case == "recency":  # rising scores: most cells pass the gate, more than one buffer holds
-        assert int(emitted[0]) > ff.capacity(k, check=2), emitted
 
 
 def test_fused_gate_keeps_a_later_pool_one_ulp_above_the_threshold():
@@ -580,49 +578,27 @@ def test_fused_gate_keeps_a_later_pool_one_ulp_above_the_threshold():
 
 def test_compaction_breaks_ties_by_pool_id_in_any_buffer_order():
     # the buffer may be filled by atomics (no order on the GPU): compaction must keep, of the keys
-    # equal to the k-th, the lowest pool ids wherever they sit in the buffer; rows are compacted
-    # together (one bisection step for all), a row not marked is left alone
+    # equal to the k-th, the lowest pool ids wherever they sit in the buffer
     import triton
     import triton.language as tl
 
     @triton.jit
-    def compact(BK, BI, Res, N, TODO, k, BQ: tl.constexpr, CAP: tl.constexpr):
-        r = tl.arange(0, BQ)
-        kept, t = ff._compact_rows(BK, BI, r.to(tl.int64) * CAP, tl.load(N + r), tl.load(TODO + r) != 0, k, BQ, CAP)
-        tl.store(Res + 2 * r, kept)
-        tl.store(Res + 2 * r + 1, t)
+    def compact(BK, BI, Res, n, k, CAP: tl.constexpr):
+        kept, t = ff._compact(BK, BI, n, k, CAP)
+        tl.store(Res, kept)
+        tl.store(Res + 1, t)
 
     g = torch.Generator().manual_seed(2)
-    for k, rows in [(10, [(100, 4), (128, 1000), (40, 0)]), (64, [(128, 4), (65, 3), (64, 2)]),
-                    (1, [(90, 4), (2, 2), (0, 1)])]:  # (n, distinct key levels) per row
-        R, CAP = 4, 128
-        bk, bi = torch.zeros(R * CAP, dtype=torch.int32), torch.zeros(R * CAP, dtype=torch.int32)
-        n = torch.zeros(R, dtype=torch.int32)
-        todo = torch.zeros(R, dtype=torch.int32)
-        data = []
-        for r, (nr, levels) in enumerate(rows):
-            keys = torch.randint(-3, levels - 3, (nr,), generator=g, dtype=torch.int32) if levels else \
-                torch.full((nr,), -2**31 + 1, dtype=torch.int32)  # heavy ties; the smallest key there is
-            ids = torch.randperm(1000, generator=g)[:nr].int()
-            bk[r * CAP : r * CAP + nr], bi[r * CAP : r * CAP + nr] = keys, ids
-            n[r], todo[r] = nr, int(nr > k)
-            data.append((keys, ids))
-        bk[3 * CAP :], bi[3 * CAP :] = 7, 7  # row 3: not marked, never touched
-        n[3] = 128
-        before = (bk.clone(), bi.clone())
-        res = torch.zeros(2 * R, dtype=torch.int32)
-        compact[(1,)](bk, bi, res, n, todo, k, BQ=R, CAP=CAP)
-        for r, (keys, ids) in enumerate(data):
-            if not todo[r]:
-                assert torch.equal(bk[r * CAP : (r + 1) * CAP], before[0][r * CAP : (r + 1) * CAP])
-                continue
-            order = sorted(range(len(keys)), key=lambda j: (-int(keys[j]), int(ids[j])))[:k]
-            assert int(res[2 * r]) == k and int(res[2 * r + 1]) == int(keys[order[-1]]), (k, r)
-            got = bi[r * CAP : r * CAP + k].tolist()
-            assert sorted(got) == sorted(int(ids[j]) for j in order)
-            assert got == [int(ids[j]) for j in range(len(keys)) if j in set(order)]  # buffer order kept
-            assert bk[r * CAP : r * CAP + k].tolist() == [int(keys[j]) for j in range(len(keys)) if j in set(order)]
-        assert torch.equal(bk[3 * CAP :], before[0][3 * CAP :]) and torch.equal(bi[3 * CAP :], before[1][3 * CAP :])
+    for n, k in [(100, 10), (128, 64), (37, 37), (90, 1)]:
+        keys = torch.randint(0, 4, (n,), generator=g, dtype=torch.int32)  # heavy ties
+        ids = torch.randperm(1000, generator=g)[:n].int()
+        bk, bi = torch.zeros(128, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)
+        bk[:n], bi[:n] = keys, ids
+        res = torch.zeros(2, dtype=torch.int32)
+        compact[(1,)](bk, bi, res, n, k, CAP=128)
+        order = sorted(range(n), key=lambda j: (-int(keys[j]), int(ids[j])))[:k]
+        assert int(res[0]) == k and int(res[1]) == int(keys[order[-1]])
+        assert sorted(bi[:k].tolist()) == sorted(int(ids[j]) for j in order)
 
 
 def test_short_rows_step_is_only_a_shortcut():
