@@ -8,9 +8,10 @@ Cases (rank 3 of a 4-rank split, D 128, kpool 4, topk 2048 unless ``--topk``): `
 the whole call (``sp_kpool.pipeline.solve``, deepgemm backend) unfused and fused
 (``Settings(fused=True)``), DeepGEMM ``fp8_mqa_logits`` alone on the same prepared inputs
 (all rows in one call, ``clean_logits=False``), the Triton kernel alone in its dense mode and
-fused; the ratios to DeepGEMM alone; candidates per row the gate let through (mean, max);
-peak extra device memory of one whole call each way; and whether the fused ids equal the
-unfused ones. ``recency``: the kernel alone on W's inputs with pool scales rising along the
+fused (both ways of taking buffer slots), the dense mode without its stores (the scorer's own
+cost; also with two q-blocks per program); the ratios to DeepGEMM alone; candidates per row
+the gate let through (mean, max); peak extra device memory of one whole call each way; and
+whether the fused ids equal the unfused ones. ``recency``: the kernel alone on W's inputs with pool scales rising along the
 sequence (later pools score higher). Writes ``bench_fused.json``.
 """
 
@@ -82,6 +83,15 @@ def one(case: str, H: int, topk: int) -> dict:
                                                                               clean_logits=False))  # fmt: skip
     res["triton_dense_alone_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k, dense=True))
     res["triton_fused_alone_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k))
+    other = "scan" if ff.SLOTS == "atomic" else "atomic"
+    res[f"triton_fused_{other}_alone_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k,
+                                                                                slots=other))  # fmt: skip
+    # the scorer's own cost (design note, first GPU steps: fusion can reach <= 1.0x only if the
+    # scorer without stores is well below DeepGEMM): the dense mode without its stores, at the
+    # default shape and with two q-blocks per program (each pool tile read once for both)
+    res["triton_nostore_alone_ms"] = do_bench_ms(lambda: ff.scores_probe(q8, wq, k8, ks, starts, ends))
+    res["triton_nostore_kv2_alone_ms"] = do_bench_ms(lambda: ff.scores_probe(q8, wq, k8, ks, starts, ends,
+                                                                             block_q=2 * (128 // H)))  # fmt: skip
     _, emitted = ff.score_select(q8, wq, k8, ks, starts, ends, k)
     res["candidates_mean"] = float(emitted.float().mean())
     res["candidates_max"] = int(emitted.max())
@@ -106,7 +116,8 @@ def one(case: str, H: int, topk: int) -> dict:
                                                                               short_rows=False))  # fmt: skip
     res["rows_short"] = int(((ends - starts) <= k).sum())
     del logits, a, b
-    for key in ("whole_dense_ms", "whole_fused_ms", "triton_dense_alone_ms", "triton_fused_alone_ms"):
+    for key in ("whole_dense_ms", "whole_fused_ms", "triton_dense_alone_ms", "triton_fused_alone_ms",
+                f"triton_fused_{other}_alone_ms", "triton_nostore_alone_ms", "triton_nostore_kv2_alone_ms"):
         res[key.replace("_ms", "_over_deepgemm")] = res[key] / res["deepgemm_alone_ms"]
     res["wall_s"] = time.perf_counter() - t0
     return res

@@ -29,10 +29,10 @@ same code checks the selection logic.
 ascending id, in blocks of ``BP``. Per row it keeps a threshold key ``tau`` (the monotone
 int32 key of :func:`sp_kpool.kernels.triton_topk_search.row_keys`) and appends every visible
 cell whose key is ``> tau`` to a candidate buffer of ``cap`` entries (key and pool id). The
-slot of a passing cell is, by default, the row's count (in registers) plus the cells passing
-before it in the block (a prefix count down the block's pools): the buffer holds ascending pool
-ids and no atomic is needed; ``slots="atomic"`` takes one relaxed atomic per passing cell
-instead (the buffer in no particular order; compaction needs no order). Every
+slot of a passing cell comes, by default, from one relaxed atomic per passing cell (the buffer
+in no particular order; compaction needs no order); ``slots="scan"`` takes the row's count (in
+registers) plus the cells passing before it in the block (a prefix count down the block's
+pools) instead: no atomic, the buffer in ascending pool id. Every
 ``CHECK`` blocks (one barrier) a row holding more than ``cap - CHECK BP`` entries is
 compacted: ``T`` = its ``k``-th largest buffered key; kept are the keys ``> T`` and, of the
 keys ``== T``, the ones with the lowest pool ids, ``k`` in all: exactly the row's Top-K of
@@ -67,8 +67,10 @@ compiled: dict = {}
 #: Blocks between two compaction checks (each check is one barrier).
 CHECK = 8
 
-#: How a passing cell gets its candidate slot by default (:func:`score_select`'s ``slots``).
-SLOTS = "scan"
+#: How a passing cell gets its candidate slot by default (:func:`score_select`'s ``slots``). On W
+#: (H200, 2026-12-04) neither way wins at both head counts: "atomic" 26.7 / 37.5 ms and "scan"
+#: 28.9 / 35.1 ms at H 32 / 64, so the default stays the one measured before.
+SLOTS = "atomic"
 
 
 def capacity(k: int, block_p: int = BLOCK_P, check: int = CHECK) -> int:
@@ -334,9 +336,10 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
             default there) or one ``[block_p, 128] x [128, 8 block_q]`` dot per chain step.
         cap, check: candidate entries per row (default :func:`capacity`) and blocks between
             two compaction checks (``cap >= k + check * block_p``).
-        slots: how a passing cell gets its buffer slot: ``"scan"`` (a prefix count down the
-            block's pools, the row counts in registers; the buffer in ascending pool id) or
-            ``"atomic"`` (one relaxed atomic per passing cell). The same ids either way.
+        slots: how a passing cell gets its buffer slot (default :data:`SLOTS`): ``"scan"`` (a
+            prefix count down the block's pools, the row counts in registers; the buffer in
+            ascending pool id) or ``"atomic"`` (one relaxed atomic per passing cell). The same
+            ids and counts either way.
 
     Returns:
         ``dense``: logits ``[b - a, P]`` float32. Otherwise ``(pools, emitted)``: ``[b - a,
