@@ -11,8 +11,8 @@ the whole call (``sp_kpool.pipeline.solve``, deepgemm backend) unfused and fused
 fused (both ways of taking buffer slots), the dense mode without its stores (the scorer's own
 cost; also with two q-blocks per program); the ratios to DeepGEMM alone; candidates per row
 the gate let through (mean, max); peak extra device memory of one whole call each way; and
-whether the fused ids equal the unfused ones. ``recency``: the kernel alone on W's inputs with pool scales rising along the
-sequence (later pools score higher). Writes ``bench_fused.json``.
+whether the fused ids equal the unfused ones. ``recency``: the kernel alone on W's inputs with
+pool scales rising along the sequence (later pools score higher). Writes ``bench_fused.json``.
 """
 
 from __future__ import annotations

@@ -497,8 +497,8 @@ def check_fused(q8, w, k8, scale, starts, ends, k, **kw):
     got, emitted = ff.score_select(q8, w, k8, scale, starts, ends, k, pool_base=5, **kw)
     assert torch.equal(got, want)
     assert (emitted <= (ends - starts).clamp(min=0)).all()
-    # the other way to take slots (atomics; the default is a prefix count): the same gate, so
-    # the same ids and the same cells let through
+    # the other way to take buffer slots than the default (atomics / a prefix count): the same
+    # gate, so the same ids and the same cells let through
     other = "atomic" if ff.SLOTS == "scan" else "scan"
     got2, emitted2 = ff.score_select(q8, w, k8, scale, starts, ends, k, pool_base=5, slots=other, **kw)
     assert torch.equal(got2, want) and torch.equal(emitted2, emitted)
