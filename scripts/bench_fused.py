@@ -42,14 +42,16 @@ def peak_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def one(case: str, H: int, topk: int) -> dict:
+def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[int] | None = None) -> dict:
+    """The measurements of one case (``CASES[case]``, or ``total`` tokens in documents of
+    ``lengths``, one document if ``None``, under the name ``case``) at ``H`` heads."""
     import deep_gemm
 
     from sp_kpool.kernels import triton_fp8_fused as ff
     from sp_kpool.plan import plan_chunks
     from sp_kpool.pooling import pool_table
 
-    total, lengths = CASES[case]
+    total, lengths = CASES[case] if total is None else (total, lengths)
     p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=topk, precision="fp8", lengths=lengths,
                            max_logits_bytes=2 * 2**30, device="cuda")  # fmt: skip
     dense_p = dataclasses.replace(p, settings=Settings(fused=False))

@@ -12,7 +12,9 @@ also with the cache off, ``whole_table_cache_off``) with achieved TFLOP/s
 (causal query-pool pairs only) and the fraction of the ceiling; DeepGEMM scoring alone
 (with and without its -inf cleaning of the cells outside the row ranges); torch.topk,
 LMDeploy's selector and the Triton exact selector on the same logits; the torch backend
-end to end (twice, the faster counts) for the speed-up. Writes ``bench_kernels.json``.
+end to end (twice, the faster counts) for the speed-up; with ``--arms fused``, the fused FP8
+path against the dense one and DeepGEMM alone (``scripts/bench_fused.py``'s measurements of
+this workload). Writes ``bench_kernels.json``.
 
 The whole call is timed three ways: synchronized before every call ("cold": the device
 waits for the host's work before the first kernel), with the host ahead of the device (a
@@ -163,7 +165,9 @@ def main():
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=0, help="max_logits_bytes for the GPU backends (0: the library default)")
     ap.add_argument("--torch-baseline", action="store_true", help="also time the torch backend end to end (slow)")
-    ap.add_argument("--arms", default="bf16,fp8", help="which of bf16 (tilelang) and fp8 (deepgemm) to run")
+    ap.add_argument("--arms", default="bf16,fp8",
+                    help="which of bf16 (tilelang), fp8 (deepgemm) and fused (the fused FP8 path against the dense "
+                         "one and DeepGEMM alone: scripts/bench_fused.py's measurements of this workload) to run")
     ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads[:bq[:clean]],...' to time first")
     ap.add_argument("--select-configs", default="",
                     help="selector launches 'name=value[+name=value]' (keyword arguments of topk_ascending: capg, ways, "
@@ -182,6 +186,21 @@ def main():
     res["runs"] = []
     if args.tune:
         res["tune"] = tune(args)
+    if "fused" in args.arms.split(","):
+        # the fused FP8 path on this workload (rank 3 of 4 of one --total-token document):
+        # fused, unfused and DeepGEMM alone, their ratios, candidates per row, overflow rows
+        # (none: the buffer cannot overflow) and peak memory, as scripts/bench_fused.py
+        from bench_fused import one as fused_one  # scripts/ is on sys.path: this file's folder
+
+        res["fused"] = []
+        for H in [int(h) for h in args.heads.split(",")]:
+            try:
+                r = fused_one(f"slice{args.total}", H, 2048, total=args.total)
+                r["overflow_rows"] = 0
+            except Exception as exc:  # noqa: BLE001
+                r = {"H": H, "error": f"{type(exc).__name__}: {exc}"[:600]}
+            log(json.dumps(r))
+            res["fused"].append(r)
     for H in [int(h) for h in args.heads.split(",")]:
         for precision, name in (("bf16", "tilelang"), ("fp8", "deepgemm")):
             if precision not in args.arms.split(","):
