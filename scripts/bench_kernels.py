@@ -189,14 +189,13 @@ def main():
     if "fused" in args.arms.split(","):
         # the fused FP8 path on this workload (rank 3 of 4 of one --total-token document):
         # fused, unfused and DeepGEMM alone, their ratios, candidates per row, overflow rows
-        # (none: the buffer cannot overflow) and peak memory, as scripts/bench_fused.py
+        # (the selector's counter) and peak memory, as scripts/bench_fused.py
         from bench_fused import one as fused_one  # scripts/ is on sys.path: this file's folder
 
         res["fused"] = []
         for H in [int(h) for h in args.heads.split(",")]:
             try:
                 r = fused_one(f"slice{args.total}", H, 2048, total=args.total)
-                r["overflow_rows"] = 0
             except Exception as exc:  # noqa: BLE001
                 r = {"H": H, "error": f"{type(exc).__name__}: {exc}"[:600]}
             log(json.dumps(r))
