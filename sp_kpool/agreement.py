@@ -125,12 +125,17 @@ def _ranks_of(seq) -> _Ranks | None:
     return _Ranks(group, dist.get_rank(group), world) if world > 1 else None
 
 
+def _longest_document(seq: ShardedSequence) -> int:
+    """Tokens of the sequence's longest real document (0: none)."""
+    cu = seq.real_cu_seq_lens
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
 def _check_output_size(seq: ShardedSequence, config: KPoolConfig) -> None:
     """Refuse, before any allocation, an output that is mostly ``-1`` columns and too large:
     ``topk`` beyond the longest document with more than
     :data:`MAX_PADDED_OUTPUT_ENTRIES` output entries (global quantities: every rank alike)."""
-    cu = seq.real_cu_seq_lens
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    longest = _longest_document(seq)
     entries = seq.shard_size * config.width
     if config.topk > longest and entries > MAX_PADDED_OUTPUT_ENTRIES:
         raise ValueError(
@@ -257,8 +262,7 @@ def scoring_chunk_rows(backend: Backend, problem: Problem, num_pools: int) -> in
 def _grow_chunk(backend: Backend, problem: Problem, num_pools: int, C0: int) -> int:
     """The largest multiple of 128 rows (at least ``C0``) whose logits at the widest chunk's
     width fit the budget (:func:`scoring_chunk_rows`)."""
-    cu = problem.seq.real_cu_seq_lens
-    L = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    L = _longest_document(problem.seq)
     K = problem.config.kpool
 
     def fits(C: int) -> bool:

@@ -348,15 +348,7 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
         each row appended to its candidate buffer (what the gate let through).
     """
     C, H, D = q8.shape
-    why = supports(H, D, k)
-    if why:
-        raise ValueError(f"score_select: {'; '.join(why)}")
-    one_dot = H in (32, 64) if one_dot is None else one_dot
-    block_q = block_q or (128 // H if one_dot else 4)
-    if one_dot and (H not in (32, 64) or block_q * H < 128):
-        raise ValueError(f"one_dot: needs H in (32, 64) and block_q * H >= 128, got H = {H}, block_q = {block_q}")
-    if not one_dot and block_q < 4:  # N = 8 block_q < 32: Triton may pick mma.sync, not wgmma (measured at N 8)
-        raise ValueError(f"block_q: expected at least 4 with one_dot=False, got {block_q}")
+    one_dot, block_q = _shape("score_select", H, D, k, one_dot, block_q)
     if slots not in ("scan", "atomic"):
         raise ValueError(f"slots: expected 'scan' or 'atomic', got {slots!r}")
     a, b = rows if rows is not None else (0, C)
@@ -393,12 +385,7 @@ def scores_probe(q8, w, k8, k_scale, starts, ends, **launch) -> torch.Tensor:
     propagate), one value stored per row. ``launch``: ``block_q``, ``block_p``, ``num_warps``,
     ``num_stages``, ``one_dot`` as :func:`score_select`."""
     C, H, D = q8.shape
-    why = supports(H, D, 1)
-    if why:
-        raise ValueError(f"scores_probe: {'; '.join(why)}")
-    one_dot = launch.get("one_dot")
-    one_dot = H in (32, 64) if one_dot is None else one_dot
-    block_q = launch.get("block_q") or (128 // H if one_dot else 4)
+    one_dot, block_q = _shape("scores_probe", H, D, 1, launch.get("one_dot"), launch.get("block_q"))
     block_p = launch.get("block_p", BLOCK_P)
     out = torch.empty((C, 1), dtype=torch.float32, device=q8.device)
     dummy = torch.empty(1, dtype=torch.int32, device=q8.device)
@@ -406,6 +393,20 @@ def scores_probe(q8, w, k8, k_scale, starts, ends, **launch) -> torch.Tensor:
             dummy, 1, 0, H, D, block_q, block_p, capacity(1, block_p), 1, True, launch.get("num_warps", 4),
             launch.get("num_stages", 3), one_dot, CHECK, True, False)  # fmt: skip
     return out[:, 0]
+
+
+def _shape(caller: str, H: int, D: int, k: int, one_dot: bool | None, block_q: int | None) -> tuple[bool, int]:
+    """``(one_dot, block_q)`` of a launch (the defaults where ``None``), checked."""
+    why = supports(H, D, k)
+    if why:
+        raise ValueError(f"{caller}: {'; '.join(why)}")
+    one_dot = H in (32, 64) if one_dot is None else one_dot
+    block_q = block_q or (128 // H if one_dot else 4)
+    if one_dot and (H not in (32, 64) or block_q * H < 128):
+        raise ValueError(f"one_dot: needs H in (32, 64) and block_q * H >= 128, got H = {H}, block_q = {block_q}")
+    if not one_dot and block_q < 4:  # N = 8 block_q < 32: Triton may pick mma.sync, not wgmma (measured at N 8)
+        raise ValueError(f"block_q: expected at least 4 with one_dot=False, got {block_q}")
+    return one_dot, block_q
 
 
 def _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, out, buf_k, buf_i, counts, emitted, k, pool_base, H,

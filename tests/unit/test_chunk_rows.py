@@ -65,7 +65,7 @@ def test_causal_balance_keeps_the_whole_width_block():
     assert call_of(p, RunOptions(backend="torch")).chunk == scoring_chunk_rows(be, p, P) > be.chunk_rows(p, P)
     balanced = call_of(p, RunOptions(backend="torch", balance="causal"))
     assert balanced.chunk == be.chunk_rows(p, P)
-    assert balanced.partition is None or balanced.partition.block == be.chunk_rows(p, P)
+    assert balanced.partition is not None and balanced.partition.block == be.chunk_rows(p, P)
 
 
 def test_chunk_rows_are_kept_per_batch():
