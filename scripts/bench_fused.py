@@ -1,8 +1,8 @@
 """Benchmark of the fused FP8 path against the dense path and DeepGEMM alone, in one run.
 
-    python scripts/bench_fused.py [--heads 32,64,128] [--cases W,W262k,packed64] [--out DIR]
+    python scripts/bench_fused.py [--heads 32,64,128] [--topk 2048,8192] [--cases W,W262k,packed64] [--out DIR]
 
-Cases (rank 3 of a 4-rank split, D 128, kpool 4, topk 2048 unless ``--topk``): ``W`` one
+Cases (rank 3 of a 4-rank split, D 128, kpool 4, each topk of ``--topk``, default 2048): ``W`` one
 131072-token document (the reference slice), ``W262k`` one 262144-token document,
 ``packed64`` 64 documents of 2048 tokens. For each case and H, by ``triton.testing.do_bench``:
 the whole call (``sp_kpool.pipeline.solve``, deepgemm backend) unfused and fused
@@ -12,7 +12,10 @@ fused (both ways of taking buffer slots), the dense mode without its stores (the
 cost; also with two q-blocks per program); the ratios to DeepGEMM alone; candidates per row
 the gate let through (mean, max); peak extra device memory of one whole call each way; and
 whether the fused ids equal the unfused ones. ``recency``: the kernel alone on W's inputs with
-pool scales rising along the sequence (later pools score higher). Writes ``bench_fused.json``.
+pool scales rising along the sequence (later pools score higher). At H 128 (DeepGEMM's SM90
+API refuses it; the deepgemm backend scores with the Triton kernel's dense mode) there is no
+DeepGEMM arm: ``whole_dense_over_scorer`` compares each whole call with the scorer it uses
+(DeepGEMM at H 32 and 64, the Triton dense mode at H 128). Writes ``bench_fused.json``.
 """
 
 from __future__ import annotations
@@ -83,8 +86,10 @@ def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[in
     lo = plan.chunks[0].pool_lo
     k8, ks = pools.keys[lo:], pools.scales[lo:]
     k = topk // p.kpool
-    res["deepgemm_alone_ms"] = do_bench_ms(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends,
-                                                                              clean_logits=False))  # fmt: skip
+    dg = H in be.deepgemm_heads
+    if dg:
+        res["deepgemm_alone_ms"] = do_bench_ms(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends,
+                                                                                  clean_logits=False))  # fmt: skip
     res["triton_dense_alone_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k, dense=True))
     res["triton_fused_alone_ms"] = do_bench_ms(lambda: ff.score_select(q8, wq, k8, ks, starts, ends, k))
     other = "scan" if ff.SLOTS == "atomic" else "atomic"
@@ -110,7 +115,10 @@ def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[in
     # most k pools select them all without ranking) on and off, the same ids
     from sp_kpool.kernels.triton_topk import topk_ascending
 
-    logits = deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends, clean_logits=False)[:, : k8.shape[0]]
+    if dg:
+        logits = deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends, clean_logits=False)[:, : k8.shape[0]]
+    else:
+        logits = ff.score_select(q8, wq, k8, ks, starts, ends, k, dense=True, fill=None)
     base = torch.full((logits.shape[0],), lo, dtype=torch.int64, device="cuda")
     a = topk_ascending(logits, starts, ends, base, k)
     b = topk_ascending(logits, starts, ends, base, k, short_rows=False)
@@ -122,7 +130,9 @@ def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[in
     del logits, a, b
     for key in ("whole_dense_ms", "whole_fused_ms", "triton_dense_alone_ms", "triton_fused_alone_ms",
                 f"triton_fused_{other}_alone_ms", "triton_nostore_alone_ms", "triton_nostore_kv2_alone_ms"):
-        res[key.replace("_ms", "_over_deepgemm")] = res[key] / res["deepgemm_alone_ms"]
+        if dg:
+            res[key.replace("_ms", "_over_deepgemm")] = res[key] / res["deepgemm_alone_ms"]
+    res["whole_dense_over_scorer"] = res["whole_dense_ms"] / res["deepgemm_alone_ms" if dg else "triton_dense_alone_ms"]
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -212,7 +222,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", default="32,64,128")
     ap.add_argument("--cases", default="W,packed64,W262k")
-    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--topk", default="2048", help="comma-separated topk values (tokens), e.g. 2048,8192")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes on W instead (bench_fused_sweep.json)")
     ap.add_argument("--caps", default="0:8,0:4,0:16,4096:8",
@@ -227,14 +237,15 @@ def main():
             save(doc, args.out, "bench_fused_sweep.json")
         return
     for case in args.cases.split(","):
-        for H in map(int, args.heads.split(",")):
-            try:
-                r = one(case, H, args.topk)
-            except Exception as exc:  # record and go on: one unsupported shape must not lose the rest
-                r = {"case": case, "H": H, "error": f"{type(exc).__name__}: {exc}"[:600]}
-            log(r)
-            doc["results"].append(r)
-            save(doc, args.out, "bench_fused.json")
+        for topk in map(int, args.topk.split(",")):
+            for H in map(int, args.heads.split(",")):
+                try:
+                    r = one(case, H, topk)
+                except Exception as exc:  # record and go on: one unsupported shape must not lose the rest
+                    r = {"case": case, "H": H, "topk": topk, "error": f"{type(exc).__name__}: {exc}"[:600]}
+                log(r)
+                doc["results"].append(r)
+                save(doc, args.out, "bench_fused.json")
 
 
 if __name__ == "__main__":

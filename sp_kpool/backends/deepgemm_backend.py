@@ -6,6 +6,12 @@ scores by DeepGEMM's ``fp8_mqa_logits``
 (``(q8, (k8, k_scale), weights', ks, ke)``), query rows chunked so that the real logits
 storage never exceeds ``max_logits_bytes`` (checked on every call).
 
+**H 128.** DeepGEMM's SM90 host API takes ``num_heads`` 32 and 64 only (2.5, and upstream
+through 2026-06), although its kernel template is written for any multiple of 8 heads. At
+H 128 the backend scores with the dense mode of :mod:`sp_kpool.kernels.triton_fp8_fused`:
+the same per-logit arithmetic (contract §8) instantiated at 128 heads, the kernel whose
+logits equal DeepGEMM's bit for bit at H 32 and 64. It needs Triton, not ``deep_gemm``.
+
 Column layouts, detected from the installed API: ``legacy`` (absolute columns, guard
 columns, ``clean_logits`` writes ``-inf`` outside ``[ks, ke)``) where ``fp8_mqa_logits``
 exists; ``compact`` (request-local columns, ``max_seqlen_k``; columns past a row's
@@ -72,7 +78,10 @@ class DeepGemmBackend(Backend):
     max_chunk_rows = 1 << 16
     #: Per-row constant of the balance work model (see TileLangBackend): b / a ~ 11500.
     balance_row_cost = 11500
-    heads_supported = (32, 64)  # DeepGEMM 2.5: num_heads in 16, 32, 64 (H 128 refused, measured)
+    heads_supported = (32, 64, 128)
+    #: Heads that DeepGEMM's ``fp8_mqa_logits`` scores (SM90: 32 and 64; 2.5 refuses 128, measured);
+    #: the others are scored by the Triton kernel of the same arithmetic (module doc).
+    deepgemm_heads = (32, 64)
     dims_supported = (128,)
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
@@ -84,12 +93,13 @@ class DeepGemmBackend(Backend):
             reasons.append(f"H = {problem.heads} not in {list(self.heads_supported)}")
         if problem.head_dim not in self.dims_supported:
             reasons.append(f"D = {problem.head_dim} not in {list(self.dims_supported)}")
+        dg = problem.heads in self.deepgemm_heads
         if not reasons:
-            for mod in ("triton", "deep_gemm"):
+            for mod in ("triton", "deep_gemm") if dg else ("triton",):
                 _, why = probe(mod)
                 if why:
                     reasons.append(why)
-        if not reasons:
+        if not reasons and dg:
             try:
                 mqa_api()
             except RuntimeError as exc:
@@ -102,6 +112,8 @@ class DeepGemmBackend(Backend):
         return layout, a
 
     def chunk_rows(self, problem: Problem, num_pools: int) -> int:
+        if problem.heads not in self.deepgemm_heads:  # the Triton kernel: FP32 [rows, pools], no padding
+            return super().chunk_rows(problem, num_pools)
         layout, a = self._layout_args(problem)
         rows = logits_chunk_rows(problem.max_logits_bytes, max(1, num_pools), problem.heads, layout, a)
         return round_rows(min(rows, self.max_chunk_rows, problem.seq.num_real_tokens))
@@ -129,9 +141,11 @@ class DeepGemmBackend(Backend):
         return pooled, prepared
 
     def score(self, problem, pools, q8, wq, lo, hi, starts, ends) -> ChunkScores:
+        k8, k_scale = pools.keys, pools.scales
+        if problem.heads not in self.deepgemm_heads:
+            return _score_triton(problem, q8, wq, k8[lo:hi], k_scale[lo:hi], starts, ends)
         fn, _ = mqa_api()
         layout, a = self._layout_args(problem)
-        k8, k_scale = pools.keys, pools.scales
         # the kernel's TMA wants 16-byte aligned scale pointers: start the kv slice at a
         # multiple of 4 pools and shift the row ranges and the returned columns to match
         shift = lo % 4
@@ -165,3 +179,20 @@ class DeepGemmBackend(Backend):
             cols = torch.arange(width, device=q8.device)
             scores = scores.masked_fill(cols[None] >= lens[:, None], -float("inf"))
         return ChunkScores(scores, col_offset=starts.to(torch.int64), masked=True)
+
+
+def _score_triton(problem, q8, wq, k8, k_scale, starts, ends) -> ChunkScores:
+    """The chunk's logits by the dense mode of :mod:`sp_kpool.kernels.triton_fp8_fused`
+    (DeepGEMM's arithmetic; the heads DeepGEMM does not take): ``[C, n]`` FP32, column ``c``
+    pool ``lo + c``; cells outside each row's range ``-inf`` where a reader needs it, else
+    unwritten (as ``fp8_mqa_logits`` without ``clean_logits``)."""
+    from ..kernels.triton_fp8_fused import score_select
+
+    n = k8.shape[0]
+    clean = not reads_row_ranges_only(problem.topk // problem.kpool, n, problem.order)
+    logits = score_select(q8, wq, k8, k_scale, starts, ends, 1, dense=True, fill=float("-inf") if clean else None)
+    have = logits.untyped_storage().nbytes()
+    if have > problem.max_logits_bytes:
+        raise RuntimeError(f"deepgemm: logits storage {have} bytes exceeds the budget {problem.max_logits_bytes} "
+                           f"({q8.shape[0]} rows x {n} columns, Triton scorer)")  # fmt: skip
+    return ChunkScores(logits, masked=True)

@@ -316,7 +316,8 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
 
 def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, starts: torch.Tensor,
                  ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None, pool_base: int = 0,
-                 dense: bool = False, out: torch.Tensor | None = None, block_q: int | None = None,
+                 dense: bool = False, fill: float | None = float("nan"), out: torch.Tensor | None = None,
+                 block_q: int | None = None,
                  block_p: int = BLOCK_P, num_warps: int = 4, num_stages: int = 3, one_dot: bool | None = None,
                  cap: int | None = None, check: int = CHECK, slots: str = SLOTS):  # fmt: skip
     """Scores (``dense``) or selected pools of query rows against pools, DeepGEMM's arithmetic.
@@ -329,7 +330,7 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
         rows: the rows ``[a, b)`` to compute (default all ``C``).
         pool_base: added to the selected pool indices (global id of ``k8``'s row 0).
         dense: return the ``[b - a, P]`` float32 logits instead (cells outside each row's
-            range are NaN: never written).
+            range are never written: they hold ``fill``, or anything with ``fill=None``).
         out: optional ``[b - a, k]`` int32 destination of the selection (written whole).
         block_q, block_p, num_warps, num_stages: launch shape (``block_q`` rows per program,
             default ``128 / H``; ``block_p`` pools per block, a multiple of 64).
@@ -358,7 +359,9 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
     cap = cap or capacity(k, block_p, check)
     grid = (max(1, triton.cdiv(nr, block_q)),)
     if dense:
-        logits = torch.full((C, max(P, 1)), float("nan"), dtype=torch.float32, device=dev)
+        shape = (C, max(P, 1))  # (the kernel writes row a + i at row a + i)
+        logits = torch.empty(shape, dtype=torch.float32, device=dev) if fill is None else \
+            torch.full(shape, fill, dtype=torch.float32, device=dev)  # fmt: skip
         dummy = torch.empty(1, dtype=torch.int32, device=dev)
         _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, dummy, dummy, dummy, dummy, dummy, k, pool_base,
                 H, D, block_q, block_p, cap, 1, True, num_warps, num_stages, one_dot, check, True, True)  # fmt: skip

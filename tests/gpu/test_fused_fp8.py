@@ -3,7 +3,11 @@ logits bit for bit DeepGEMM's ``fp8_mqa_logits`` (``torch.equal`` on the int32 v
 in-range cell) at H 32, 64 and 128 on random inputs, heavy ties, ReLU plateaus, NaN and
 infinities, rows not multiples of the tiles; every compiled variant uses ``wgmma`` and no
 ``mma.sync``; the fused selection equal to the pipeline's dense path (DeepGEMM + the Triton
-selector) bit for bit on whole calls, and repeated calls bitwise equal."""
+selector) bit for bit on whole calls, and repeated calls bitwise equal. At H 128 (which
+DeepGEMM's SM90 API refuses, so the deepgemm backend scores with this kernel's dense mode):
+the logits equal DeepGEMM's H 32 and H 64 logits of the first heads bit for bit when the
+other heads' weights are zero (their chain steps then add exact zeros), and the backend's
+ids equal the torch fp8 backend's up to near-ties."""
 
 import dataclasses
 
@@ -91,15 +95,61 @@ def test_fused_selection_equals_dense_plus_exact_selector(H, k):
     assert "wgmma.mma_async.sync.aligned" in ptx
 
 
+@pytest.mark.parametrize("case", ["random", "ties", "plateau"])
+@pytest.mark.parametrize("first", [32, 64])
+def test_h128_logits_extend_deepgemms_chains(first, case):
+    # heads >= first with weight 0: each of their chain steps is fma(r, 0, c) = c (r finite),
+    # so the H 128 logit is DeepGEMM's logit of heads [0, first), bit for bit (-0 read as +0)
+    import deep_gemm
+
+    from sp_kpool.kernels import triton_fp8_fused as ff
+
+    S, P = 1021, 3001
+    q8, w, k8, scale = _inputs(S, 128, P, seed=first, case=case)
+    w[:, first:] = 0.0
+    starts, ends = _ranges(S, P, seed=first + 1)
+    ref = deep_gemm.fp8_mqa_logits(q8[:, :first].contiguous(), (k8, scale), w[:, :first].contiguous(), starts, ends,
+                                   clean_logits=False)[:, :P]  # fmt: skip
+    got = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True)
+    cols = torch.arange(P, device="cuda")
+    vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
+    a, b = (got[vis] + 0.0).view(torch.int32), (ref[vis] + 0.0).view(torch.int32)
+    bad = int((a != b).sum())
+    assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[vis][a != b][:4]}"
+    assert int((got[vis] != 0).sum()) > a.numel() // 4  # not a plateau of zeros everywhere
+    ptx = ff.compiled[(128, 4, ff.BLOCK_P, True, False)].asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned" in ptx and "mma.sync" not in ptx.replace("wgmma.mma_async.sync", "")
+
+
+@pytest.mark.parametrize("total,lengths", [(8195, [4000, 3, 4192]), (16384, None)])
+def test_h128_deepgemm_backend_vs_torch_fp8(total, lengths):
+    from sp_kpool import serving
+    from sp_kpool.backends import BACKENDS
+    from sp_kpool.pooling import pool_table
+    from sp_kpool.testing.gpu_checks import fp8_row_scores, ids_of, near_tie_rows
+
+    p = rank_slice_problem(total, 4, 3, heads=128, head_dim=128, topk=2048, lengths=lengths, precision="fp8", seed=5)
+    x = ids_of("deepgemm", p)
+    y = ids_of("torch", p)
+    st = pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda()
+    k8, ks = BACKENDS["torch"].pools(p, st).parts()
+    q8, wq = serving.prepare_queries_fp8(p.q, p.head_weights)
+    ndiff, bad = near_tie_rows(p, x, y, fp8_row_scores(q8, wq, k8, ks), rel_tol=1e-3)
+    assert not bad, f"rows={x.shape[0]} differing_rows={ndiff} beyond_near_tie={bad[:5]}"
+    for _ in range(3):
+        assert torch.equal(ids_of("deepgemm", p), x)
+
+
 CALLS = [dict(total=16384, lengths=None), dict(total=8195, lengths=[4000, 3, 4192]),
          dict(total=131072, lengths=[2048] * 64)]  # fmt: skip
 
 
+@pytest.mark.parametrize("topk", [2048, 8192])
 @pytest.mark.parametrize("case", CALLS, ids=["one-doc", "packed", "64x2048"])
-@pytest.mark.parametrize("H", [32, 64])  # the deepgemm backend (DeepGEMM 2.5 has no H 128)
-def test_whole_call_fused_equals_dense_path(H, case):
+@pytest.mark.parametrize("H", [32, 64, 128])  # H 128: the dense path scores with this kernel's dense mode
+def test_whole_call_fused_equals_dense_path(H, case, topk):
     p = rank_slice_problem(case["total"], 4, 3, heads=H, head_dim=128, precision="fp8", lengths=case["lengths"],
-                           device="cuda")  # fmt: skip
+                           topk=topk, device="cuda")  # fmt: skip
     want = solve(dataclasses.replace(p, settings=Settings(fused=False)), "deepgemm").ids
     pf, record = dataclasses.replace(p, settings=Settings(fused=True)), RunRecord()
     got = solve(pf, "deepgemm", record).ids

@@ -119,6 +119,41 @@ def test_deepgemm_gather_pools(monkeypatch):
     assert torch.equal(got.sort(-1).values, ref.sort(-1).values)  # same sets (ref: ascending, got: score order)
 
 
+
+# H 128: DeepGEMM's host API refuses it; the backend scores with the Triton kernel of the same
+# arithmetic (run here by the interpreter: its dot is not the GPU's tensor-core sum, so these
+# cases check the host code around it: chunks, column offsets, masking, selection; the bits
+# are the GPU tests' business). 2 of at most 9 pools per row: no near-ties on these inputs.
+@pytest.mark.parametrize("world,tail,order,selector", [(1, "fixed", "ascending", True), (3, "compact", "score", False)])
+def test_deepgemm_h128_scores_with_the_triton_kernel(monkeypatch, world, tail, order, selector):
+    from sp_kpool.backends import deepgemm_backend as dgb
+
+    x = make_inputs(LENGTHS, heads=128, head_dim=128, kpool=K, seed=11 + world, dtype=torch.bfloat16)
+    called = []
+    real = dgb._score_triton
+    monkeypatch.setattr(dgb, "_score_triton", lambda *a: called.append(1) or real(*a))
+    budget = 5 * 9 * 4  # 5-row chunks of at most 9 pools
+    ref, got = both(monkeypatch, x, world, "deepgemm", "fp8", budget, dict(triton_selector=selector),
+                    tail=tail, order=order)  # fmt: skip
+    assert called and torch.equal(got, ref)
+    assert int((ref >= 0).sum()) > 0
+
+
+def test_deepgemm_h128_needs_no_deep_gemm(monkeypatch):
+    # without deep_gemm the backend still takes H 128 (the Triton scorer) and refuses H 32
+    from sp_kpool.backends import BACKENDS
+    from sp_kpool.backends import deepgemm_backend as dgb
+    from sp_kpool.testing.problems import rank_slice_problem
+
+    standins.install(monkeypatch)
+    real = dgb.probe
+    monkeypatch.setattr(dgb, "probe", lambda m: (None, "no deep_gemm here") if m == "deep_gemm" else real(m))
+    be = BACKENDS["deepgemm"]
+    for H, want in ((128, []), (32, ["no deep_gemm here"])):
+        p = rank_slice_problem(64, 1, 0, heads=H, head_dim=128, topk=8, kpool=K, precision="fp8", device="cpu")
+        assert be.not_supported_reasons(p) == want, H
+
+
 TL_CASES = [
     ("bf16", 16, 64, 1, "fixed", "ascending", True, True),
     ("bf16-serving", 16, 64, 3, "compact", "score", True, True),

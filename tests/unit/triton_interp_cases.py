@@ -525,6 +525,25 @@ def test_fused_fp8_selection_equals_dense_logits_plus_exact_topk(H, bq, one_dot)
     assert int(emitted.max()) < 700  # the gate dropped cells on the long rows
 
 
+
+@pytest.mark.parametrize("first", [32, 64])
+def test_h128_chains_extend_the_first_heads_chains(first):
+    # heads >= first weighted 0: every later chain step is fma(r, 0, c) = c, so the H 128 logits
+    # are the H `first` logits of the first heads (the GPU test compares those with DeepGEMM's)
+    C, P = 6, 200
+    q8, w, k8, scale = fp8_case(C, 128, P, seed=first)
+    w[:, first:] = 0.0
+    starts = torch.tensor([0, 0, 50, 199, 3, 0], dtype=torch.int32)
+    ends = torch.tensor([200, 130, 50, 200, 70, 64], dtype=torch.int32)
+    got = ff.score_select(q8, w, k8, scale, starts, ends, 8, dense=True)
+    want = ff.score_select(q8[:, :first].contiguous(), w[:, :first].contiguous(), k8, scale, starts, ends, 8,
+                           dense=True)  # fmt: skip
+    vis = in_range(got, starts, ends)
+    assert torch.equal((got[vis] + 0.0).view(torch.int32), (want[vis] + 0.0).view(torch.int32))
+    assert bool((got[vis] > 0).any())
+    w[:, first] = 1.0  # one more weighted head: the logits change
+    assert not torch.equal(ff.score_select(q8, w, k8, scale, starts, ends, 8, dense=True)[vis], got[vis])
+
 def test_scores_probe_is_the_row_max_of_the_dense_logits():
     C, H, P = 5, 64, 300
     q8, w, k8, scale = fp8_case(C, H, P, seed=8)
