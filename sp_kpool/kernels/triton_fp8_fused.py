@@ -64,6 +64,10 @@ BLOCK_P = 64
 compiled: dict = {}
 
 
+#: Heads whose default launch is one ``[BP, 128] x [128, 128]`` dot per block (``one_dot``; the
+#: others: one dot per chain step of 4 rows).
+ONE_DOT_HEADS = (32, 64)
+
 #: Blocks between two compaction checks (each check is one barrier).
 CHECK = 8
 
@@ -115,7 +119,7 @@ def _chain(x, w, BP: tl.constexpr, BQ: tl.constexpr, NM: tl.constexpr):
         c = tl.fma(r0, w0, r1 * w1)
         c = tl.fma(r2, w2, c)
         c = tl.fma(r3, w3, c)
-    else:  # NM == 8: m = 4 a + 2 b' + c'
+    elif NM == 8:  # m = 4 a + 2 b' + c'
         e, o = _halves(r, BP, BQ, 4, 2, 8)
         we, wo = _halves(w, 1, BQ, 4, 2, 8)
         e0, e1 = _halves(e, BP, BQ, 4, 2, 4)  # m in {0, 4}, {2, 6}
@@ -137,6 +141,52 @@ def _chain(x, w, BP: tl.constexpr, BQ: tl.constexpr, NM: tl.constexpr):
         c = tl.fma(r5, w5, c)
         c = tl.fma(r6, w6, c)
         c = tl.fma(r7, w7, c)
+    else:  # NM == 16: m = 8 a + 4 b' + 2 c' + d'
+        e, o = _halves(r, BP, BQ, 4, 2, 16)  # m even, odd
+        we, wo = _halves(w, 1, BQ, 4, 2, 16)
+        e0, e1 = _halves(e, BP, BQ, 4, 2, 8)  # m in {0, 4, 8, 12}, {2, 6, 10, 14}
+        o0, o1 = _halves(o, BP, BQ, 4, 2, 8)  # m in {1, 5, 9, 13}, {3, 7, 11, 15}
+        we0, we1 = _halves(we, 1, BQ, 4, 2, 8)
+        wo0, wo1 = _halves(wo, 1, BQ, 4, 2, 8)
+        e00, e01 = _halves(e0, BP, BQ, 4, 2, 4)  # {0, 8}, {4, 12}
+        e10, e11 = _halves(e1, BP, BQ, 4, 2, 4)  # {2, 10}, {6, 14}
+        o00, o01 = _halves(o0, BP, BQ, 4, 2, 4)  # {1, 9}, {5, 13}
+        o10, o11 = _halves(o1, BP, BQ, 4, 2, 4)  # {3, 11}, {7, 15}
+        we00, we01 = _halves(we0, 1, BQ, 4, 2, 4)
+        we10, we11 = _halves(we1, 1, BQ, 4, 2, 4)
+        wo00, wo01 = _halves(wo0, 1, BQ, 4, 2, 4)
+        wo10, wo11 = _halves(wo1, 1, BQ, 4, 2, 4)
+        r0, r8 = tl.split(e00)
+        r4, r12 = tl.split(e01)
+        r2, r10 = tl.split(e10)
+        r6, r14 = tl.split(e11)
+        r1, r9 = tl.split(o00)
+        r5, r13 = tl.split(o01)
+        r3, r11 = tl.split(o10)
+        r7, r15 = tl.split(o11)
+        w0, w8 = tl.split(we00)
+        w4, w12 = tl.split(we01)
+        w2, w10 = tl.split(we10)
+        w6, w14 = tl.split(we11)
+        w1, w9 = tl.split(wo00)
+        w5, w13 = tl.split(wo01)
+        w3, w11 = tl.split(wo10)
+        w7, w15 = tl.split(wo11)
+        c = tl.fma(r0, w0, r1 * w1)
+        c = tl.fma(r2, w2, c)
+        c = tl.fma(r3, w3, c)
+        c = tl.fma(r4, w4, c)
+        c = tl.fma(r5, w5, c)
+        c = tl.fma(r6, w6, c)
+        c = tl.fma(r7, w7, c)
+        c = tl.fma(r8, w8, c)
+        c = tl.fma(r9, w9, c)
+        c = tl.fma(r10, w10, c)
+        c = tl.fma(r11, w11, c)
+        c = tl.fma(r12, w12, c)
+        c = tl.fma(r13, w13, c)
+        c = tl.fma(r14, w14, c)
+        c = tl.fma(r15, w15, c)
     return c  # [BP, BQ, 4, 2]
 
 
@@ -403,10 +453,10 @@ def _shape(caller: str, H: int, D: int, k: int, one_dot: bool | None, block_q: i
     why = supports(H, D, k)
     if why:
         raise ValueError(f"{caller}: {'; '.join(why)}")
-    one_dot = H in (32, 64) if one_dot is None else one_dot
+    one_dot = H in ONE_DOT_HEADS if one_dot is None else one_dot
     block_q = block_q or (128 // H if one_dot else 4)
-    if one_dot and (H not in (32, 64) or block_q * H < 128):
-        raise ValueError(f"one_dot: needs H in (32, 64) and block_q * H >= 128, got H = {H}, block_q = {block_q}")
+    if one_dot and block_q * H < 128:
+        raise ValueError(f"one_dot: needs block_q * H >= 128, got H = {H}, block_q = {block_q}")
     if not one_dot and block_q < 4:  # N = 8 block_q < 32: Triton may pick mma.sync, not wgmma (measured at N 8)
         raise ValueError(f"block_q: expected at least 4 with one_dot=False, got {block_q}")
     return one_dot, block_q

@@ -95,9 +95,10 @@ def test_fused_selection_equals_dense_plus_exact_selector(H, k):
     assert "wgmma.mma_async.sync.aligned" in ptx
 
 
+@pytest.mark.parametrize("bq,one_dot", [(4, False), (1, True), (2, True)])
 @pytest.mark.parametrize("case", ["random", "ties", "plateau"])
 @pytest.mark.parametrize("first", [32, 64])
-def test_h128_logits_extend_deepgemms_chains(first, case):
+def test_h128_logits_extend_deepgemms_chains(first, case, bq, one_dot):
     # heads >= first with weight 0: each of their chain steps is fma(r, 0, c) = c (r finite),
     # so the H 128 logit is DeepGEMM's logit of heads [0, first), bit for bit (-0 read as +0)
     import deep_gemm
@@ -110,14 +111,14 @@ def test_h128_logits_extend_deepgemms_chains(first, case):
     starts, ends = _ranges(S, P, seed=first + 1)
     ref = deep_gemm.fp8_mqa_logits(q8[:, :first].contiguous(), (k8, scale), w[:, :first].contiguous(), starts, ends,
                                    clean_logits=False)[:, :P]  # fmt: skip
-    got = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True)
+    got = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True, block_q=bq, one_dot=one_dot)
     cols = torch.arange(P, device="cuda")
     vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
     a, b = (got[vis] + 0.0).view(torch.int32), (ref[vis] + 0.0).view(torch.int32)
     bad = int((a != b).sum())
     assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[vis][a != b][:4]}"
     assert int((got[vis] != 0).sum()) > a.numel() // 4  # not a plateau of zeros everywhere
-    ptx = ff.compiled[(128, 4, ff.BLOCK_P, True, False)].asm["ptx"]
+    ptx = ff.compiled[(128, bq, ff.BLOCK_P, True, one_dot)].asm["ptx"]
     assert "wgmma.mma_async.sync.aligned" in ptx and "mma.sync" not in ptx.replace("wgmma.mma_async.sync", "")
 
 

@@ -506,14 +506,15 @@ def check_fused(q8, w, k8, scale, starts, ends, k, **kw):
 
 
 @pytest.mark.parametrize("H,bq,one_dot", [(32, 4, True), (32, 4, False), (64, 2, True), (64, 4, False), (128, 4, False),
-                                          (64, 4, True), (32, 8, False)])  # fmt: skip
+                                          (64, 4, True), (32, 8, False), (128, 1, True), (128, 2, True)])  # fmt: skip
 def test_fused_fp8_selection_equals_dense_logits_plus_exact_topk(H, bq, one_dot):
     C, P, k = 7, 700, 16
     q8, w, k8, scale = fp8_case(C, H, P, seed=H + bq)
     starts = torch.tensor([0, 3, 100, 650, 0, 5, 699], dtype=torch.int32)
     ends = torch.tensor([700, 690, 100, 700, 10, 17, 700], dtype=torch.int32)  # empty, short, k+1 rows
     dense, emitted = check_fused(q8, w, k8, scale, starts, ends, k, block_q=bq, one_dot=one_dot)
-    other = ff.score_select(q8, w, k8, scale, starts, ends, k, dense=True, one_dot=not one_dot) if H < 128 else dense
+    other = ff.score_select(q8, w, k8, scale, starts, ends, k, dense=True, one_dot=not one_dot,
+                            block_q=4 if one_dot else 128 // H if H < 128 else 1)  # fmt: skip
     assert torch.equal(dense.view(torch.int32), other.view(torch.int32))  # the two dot shapes: the same DAG
     # the dense logits are the serving arithmetic (tolerance: the interpreter's dot is not
     # the GPU's FP8 tensor-core sum, and the head order differs)
