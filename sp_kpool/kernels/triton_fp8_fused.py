@@ -64,9 +64,12 @@ BLOCK_P = 64
 compiled: dict = {}
 
 
-#: Heads whose default launch is one ``[BP, 128] x [128, 128]`` dot per block (``one_dot``; the
-#: others: one dot per chain step of 4 rows).
-ONE_DOT_HEADS = (32, 64)
+#: Heads whose default launch is one ``[BP, 128] x [128, block_q H]`` dot per block (``one_dot``,
+#: ``block_q`` = ``max(2, 128 / H)``; otherwise one dot per chain step of 4 rows). At H 128 on
+#: an H200 (2026-12-04, W: 32768 rows x 32768 pools): dense mode 118.8 ms one dot per chain
+#: step (255 registers, 142 spills), 31.3 ms one dot of 1 row, 30.7 ms of 2 rows; fused
+#: (k 512) 166.1 / 60.9 / 48.5 ms; the three bit for bit equal.
+ONE_DOT_HEADS = (32, 64, 128)
 
 #: Blocks between two compaction checks (each check is one barrier).
 CHECK = 8
@@ -383,9 +386,10 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
             range are never written: they hold ``fill``, or anything with ``fill=None``).
         out: optional ``[b - a, k]`` int32 destination of the selection (written whole).
         block_q, block_p, num_warps, num_stages: launch shape (``block_q`` rows per program,
-            default ``128 / H``; ``block_p`` pools per block, a multiple of 64).
-        one_dot: one ``[block_p, 128] x [128, block_q H]`` dot per block (H 32 and 64, the
-            default there) or one ``[block_p, 128] x [128, 8 block_q]`` dot per chain step.
+            default ``max(2, 128 / H)`` with ``one_dot``, else 4; ``block_p`` pools per block, a multiple of 64).
+        one_dot: one ``[block_p, 128] x [128, block_q H]`` dot per block (the default for the
+            heads of :data:`ONE_DOT_HEADS`) or one ``[block_p, 128] x [128, 8 block_q]`` dot
+            per chain step.
         cap, check: candidate entries per row (default :func:`capacity`) and blocks between
             two compaction checks (``cap >= k + check * block_p``).
         slots: how a passing cell gets its buffer slot (default :data:`SLOTS`): ``"scan"`` (a
@@ -454,7 +458,7 @@ def _shape(caller: str, H: int, D: int, k: int, one_dot: bool | None, block_q: i
     if why:
         raise ValueError(f"{caller}: {'; '.join(why)}")
     one_dot = H in ONE_DOT_HEADS if one_dot is None else one_dot
-    block_q = block_q or (128 // H if one_dot else 4)
+    block_q = block_q or (max(2, 128 // H) if one_dot else 4)
     if one_dot and block_q * H < 128:
         raise ValueError(f"one_dot: needs block_q * H >= 128, got H = {H}, block_q = {block_q}")
     if not one_dot and block_q < 4:  # N = 8 block_q < 32: Triton may pick mma.sync, not wgmma (measured at N 8)
