@@ -17,7 +17,7 @@ import torch
 
 from .backends.base import Backend, ChunkScores, Pools, Problem, Queries
 from .plan import Chunk, ChunkPlan, pad_rows
-from .selectors import choose_fused, select_pools
+from .selectors import choose_fused, may_have_short_rows, select_pools
 from .timing import RunRecord, stage
 
 __all__ = ["ChunkCall", "chunk_calls", "score_chunk", "select_chunks"]
@@ -92,6 +92,7 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
     k_sel = problem.topk // problem.kpool
     out = None
     unscored = []  # rows of chunks without pools
+    cu = None  # document boundaries on the host (the selector's short-row hint), read once
     for call in chunk_calls(plan, queries):
         a, b, c = call.a, call.b, call.chunk
         if call.q is None:
@@ -120,10 +121,13 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
             visible = (cols[None] >= row_starts[:, None]) & (cols[None] < row_ends[:, None])
         if out is None:  # allocated after the first scoring launch, not before
             out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
+        if cu is None:
+            cu = problem.seq.real_cu_seq_lens.tolist()
+        short = may_have_short_rows(cu, a, b, k_sel, problem.kpool)
         with stage(record, "select", device):
             # straight into this chunk's output rows, every element written
             select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts,
-                         out=out[a - lo_row : b - lo_row])  # fmt: skip
+                         out=out[a - lo_row : b - lo_row], short_rows=short)  # fmt: skip
     if out is None:
         return torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)
     for a, b in unscored:  # every row lies in one chunk: the others are written above

@@ -154,6 +154,22 @@ def test_deepgemm_h128_needs_no_deep_gemm(monkeypatch):
         assert be.not_supported_reasons(p) == want, H
 
 
+
+def test_short_row_hint_reaches_the_selector(monkeypatch):
+    # the pipeline tells the Triton selector which chunks hold no short row (k = 2 pools: rows
+    # past the 11th token of a document are long); the ids do not depend on it
+    from sp_kpool.kernels import triton_topk
+
+    seen = []
+    real = triton_topk.topk_ascending
+    monkeypatch.setattr(triton_topk, "topk_ascending",
+                        lambda *a, short_rows=True, **kw: seen.append(short_rows) or real(*a, short_rows=short_rows, **kw))  # fmt: skip
+    x = make_inputs([40, 3, 30], heads=32, head_dim=128, kpool=K, seed=4, dtype=torch.bfloat16)
+    ref, got = both(monkeypatch, x, 1, "deepgemm", "fp8", 8 * 256 * 4, dict(layout="compact"))
+    assert torch.equal(got, ref)
+    assert True in seen and False in seen, seen
+
+
 TL_CASES = [
     ("bf16", 16, 64, 1, "fixed", "ascending", True, True),
     ("bf16-serving", 16, 64, 3, "compact", "score", True, True),

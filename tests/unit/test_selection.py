@@ -570,3 +570,24 @@ def test_order_ascending_unused_first_pads_a_narrow_selection():
     assert out[1].tolist() == [-1] * 8 + list(range(8)) + [8, -1, -1]
     with pytest.raises(ValueError, match="order: 'ascending-unused-first' puts the unused history slots first"):
         KPoolConfig(topk=16, tail="compact", order="ascending-unused-first")
+
+
+def test_short_row_hint_equals_the_rows_it_describes():
+    # may_have_short_rows (host ints) against row_meta's n_visible of every row of the range
+    import random
+
+    from sp_kpool.selectors import may_have_short_rows
+
+    rng = random.Random(0)
+    for _ in range(300):
+        lens = [rng.randint(1, 60) for _ in range(rng.randint(1, 5))]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        kpool, k = rng.choice([1, 2, 4]), rng.randint(1, 12)
+        a = rng.randint(0, cu[-1] + 3)
+        b = rng.randint(a, cu[-1] + 6)
+        _, offs = pool_table(torch.tensor(cu), kpool)
+        m = row_meta(torch.arange(a, b), torch.tensor(cu), offs, kpool)
+        want = bool(((m.n_visible <= k) & ~m.padding).any())
+        assert may_have_short_rows(cu, a, b, k, kpool) == want, (cu, a, b, k, kpool)
