@@ -26,7 +26,6 @@ every selector that implements it and the registry that chooses among them, side
 from __future__ import annotations
 
 import bisect
-
 from dataclasses import dataclass
 from typing import Any
 

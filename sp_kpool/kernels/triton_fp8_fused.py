@@ -370,8 +370,7 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
 def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, starts: torch.Tensor,
                  ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None, pool_base: int = 0,
                  dense: bool = False, fill: float | None = float("nan"), out: torch.Tensor | None = None,
-                 block_q: int | None = None,
-                 block_p: int = BLOCK_P, num_warps: int = 4, num_stages: int = 3, one_dot: bool | None = None,
+                 block_q: int | None = None, block_p: int = BLOCK_P, num_warps: int = 4, num_stages: int = 3, one_dot: bool | None = None,
                  cap: int | None = None, check: int = CHECK, slots: str = SLOTS):  # fmt: skip
     """Scores (``dense``) or selected pools of query rows against pools, DeepGEMM's arithmetic.
 
@@ -386,7 +385,8 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
             range are never written: they hold ``fill``, or anything with ``fill=None``).
         out: optional ``[b - a, k]`` int32 destination of the selection (written whole).
         block_q, block_p, num_warps, num_stages: launch shape (``block_q`` rows per program,
-            default ``max(2, 128 / H)`` with ``one_dot``, else 4; ``block_p`` pools per block, a multiple of 64).
+            default ``max(2, 128 / H)`` with ``one_dot``, else 4; ``block_p`` pools per block, a
+            multiple of 64).
         one_dot: one ``[block_p, 128] x [128, block_q H]`` dot per block (the default for the
             heads of :data:`ONE_DOT_HEADS`) or one ``[block_p, 128] x [128, 8 block_q]`` dot
             per chain step.
