@@ -92,7 +92,7 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
     k_sel = problem.topk // problem.kpool
     out = None
     unscored = []  # rows of chunks without pools
-    cu = None  # document boundaries on the host (the selector's short-row hint), read once
+    cu = problem.seq.real_cu_seq_lens.tolist()  # document boundaries (host): the selector's short-row hint
     for call in chunk_calls(plan, queries):
         a, b, c = call.a, call.b, call.chunk
         if call.q is None:
@@ -121,8 +121,6 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
             visible = (cols[None] >= row_starts[:, None]) & (cols[None] < row_ends[:, None])
         if out is None:  # allocated after the first scoring launch, not before
             out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
-        if cu is None:
-            cu = problem.seq.real_cu_seq_lens.tolist()
         short = may_have_short_rows(cu, a, b, k_sel, problem.kpool)
         with stage(record, "select", device):
             # straight into this chunk's output rows, every element written

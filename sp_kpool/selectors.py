@@ -298,7 +298,8 @@ class Selector:
         """Why this selector cannot serve ``req`` (empty: it can)."""
         raise NotImplementedError
 
-    def select(self, scores, visible, k: int, col0, starts, ends, order: str, out=None, short_rows=True) -> torch.Tensor:
+    def select(self, scores, visible, k: int, col0, starts, ends, order: str, out=None,
+               short_rows: bool = True) -> torch.Tensor:  # fmt: skip
         """``[R, min(k, N)]`` global pool ids (``-1`` unused, last) in ``order`` (see
         :func:`select_pools` for the arguments); with ``writes_out``, ``out`` written whole.
         ``short_rows``: :func:`select_pools`'s hint (a selector may ignore it)."""

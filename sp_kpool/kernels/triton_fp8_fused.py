@@ -107,6 +107,19 @@ def _halves(x, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
+def _eight(x, A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, D: tl.constexpr):
+    """``x [A, B, C, D, 8]`` -> its eight slices ``x[..., i]``, ``i = 0 .. 7`` in order."""
+    e, o = _halves(x, A, B, C, D, 8)
+    e0, e1 = _halves(e, A, B, C, D, 4)  # i in {0, 4}, {2, 6}
+    o0, o1 = _halves(o, A, B, C, D, 4)  # i in {1, 5}, {3, 7}
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _chain(x, w, BP: tl.constexpr, BQ: tl.constexpr, NM: tl.constexpr):
     """The eight head chains of :data:`DAG` from ``x [BP, BQ, 4, 2, NM]`` (accumulators of
     heads ``8 m + 2 q + b`` at ``[:, :, q, b, m]``) and ``w [1, BQ, 4, 2, NM]``: ``c[:, :, q, b]``
@@ -122,21 +135,9 @@ def _chain(x, w, BP: tl.constexpr, BQ: tl.constexpr, NM: tl.constexpr):
         c = tl.fma(r0, w0, r1 * w1)
         c = tl.fma(r2, w2, c)
         c = tl.fma(r3, w3, c)
-    elif NM == 8:  # m = 4 a + 2 b' + c'
-        e, o = _halves(r, BP, BQ, 4, 2, 8)
-        we, wo = _halves(w, 1, BQ, 4, 2, 8)
-        e0, e1 = _halves(e, BP, BQ, 4, 2, 4)  # m in {0, 4}, {2, 6}
-        o0, o1 = _halves(o, BP, BQ, 4, 2, 4)  # m in {1, 5}, {3, 7}
-        we0, we1 = _halves(we, 1, BQ, 4, 2, 4)
-        wo0, wo1 = _halves(wo, 1, BQ, 4, 2, 4)
-        r0, r4 = tl.split(e0)
-        r2, r6 = tl.split(e1)
-        r1, r5 = tl.split(o0)
-        r3, r7 = tl.split(o1)
-        w0, w4 = tl.split(we0)
-        w2, w6 = tl.split(we1)
-        w1, w5 = tl.split(wo0)
-        w3, w7 = tl.split(wo1)
+    elif NM == 8:
+        r0, r1, r2, r3, r4, r5, r6, r7 = _eight(r, BP, BQ, 4, 2)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _eight(w, 1, BQ, 4, 2)
         c = tl.fma(r0, w0, r1 * w1)
         c = tl.fma(r2, w2, c)
         c = tl.fma(r3, w3, c)
@@ -144,37 +145,13 @@ def _chain(x, w, BP: tl.constexpr, BQ: tl.constexpr, NM: tl.constexpr):
         c = tl.fma(r5, w5, c)
         c = tl.fma(r6, w6, c)
         c = tl.fma(r7, w7, c)
-    else:  # NM == 16: m = 8 a + 4 b' + 2 c' + d'
-        e, o = _halves(r, BP, BQ, 4, 2, 16)  # m even, odd
+    else:  # NM == 16: the even and the odd m, eight each
+        e, o = _halves(r, BP, BQ, 4, 2, 16)
         we, wo = _halves(w, 1, BQ, 4, 2, 16)
-        e0, e1 = _halves(e, BP, BQ, 4, 2, 8)  # m in {0, 4, 8, 12}, {2, 6, 10, 14}
-        o0, o1 = _halves(o, BP, BQ, 4, 2, 8)  # m in {1, 5, 9, 13}, {3, 7, 11, 15}
-        we0, we1 = _halves(we, 1, BQ, 4, 2, 8)
-        wo0, wo1 = _halves(wo, 1, BQ, 4, 2, 8)
-        e00, e01 = _halves(e0, BP, BQ, 4, 2, 4)  # {0, 8}, {4, 12}
-        e10, e11 = _halves(e1, BP, BQ, 4, 2, 4)  # {2, 10}, {6, 14}
-        o00, o01 = _halves(o0, BP, BQ, 4, 2, 4)  # {1, 9}, {5, 13}
-        o10, o11 = _halves(o1, BP, BQ, 4, 2, 4)  # {3, 11}, {7, 15}
-        we00, we01 = _halves(we0, 1, BQ, 4, 2, 4)
-        we10, we11 = _halves(we1, 1, BQ, 4, 2, 4)
-        wo00, wo01 = _halves(wo0, 1, BQ, 4, 2, 4)
-        wo10, wo11 = _halves(wo1, 1, BQ, 4, 2, 4)
-        r0, r8 = tl.split(e00)
-        r4, r12 = tl.split(e01)
-        r2, r10 = tl.split(e10)
-        r6, r14 = tl.split(e11)
-        r1, r9 = tl.split(o00)
-        r5, r13 = tl.split(o01)
-        r3, r11 = tl.split(o10)
-        r7, r15 = tl.split(o11)
-        w0, w8 = tl.split(we00)
-        w4, w12 = tl.split(we01)
-        w2, w10 = tl.split(we10)
-        w6, w14 = tl.split(we11)
-        w1, w9 = tl.split(wo00)
-        w5, w13 = tl.split(wo01)
-        w3, w11 = tl.split(wo10)
-        w7, w15 = tl.split(wo11)
+        r0, r2, r4, r6, r8, r10, r12, r14 = _eight(e, BP, BQ, 4, 2)
+        r1, r3, r5, r7, r9, r11, r13, r15 = _eight(o, BP, BQ, 4, 2)
+        w0, w2, w4, w6, w8, w10, w12, w14 = _eight(we, 1, BQ, 4, 2)
+        w1, w3, w5, w7, w9, w11, w13, w15 = _eight(wo, 1, BQ, 4, 2)
         c = tl.fma(r0, w0, r1 * w1)
         c = tl.fma(r2, w2, c)
         c = tl.fma(r3, w3, c)
@@ -370,7 +347,8 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
 def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, starts: torch.Tensor,
                  ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None, pool_base: int = 0,
                  dense: bool = False, fill: float | None = float("nan"), out: torch.Tensor | None = None,
-                 block_q: int | None = None, block_p: int = BLOCK_P, num_warps: int = 4, num_stages: int = 3, one_dot: bool | None = None,
+                 block_q: int | None = None, block_p: int = BLOCK_P, num_warps: int = 4,
+                 num_stages: int = 3, one_dot: bool | None = None,
                  cap: int | None = None, check: int = CHECK, slots: str = SLOTS):  # fmt: skip
     """Scores (``dense``) or selected pools of query rows against pools, DeepGEMM's arithmetic.
 
