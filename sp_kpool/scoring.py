@@ -126,6 +126,10 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
             # straight into this chunk's output rows, every element written
             select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts,
                          out=out[a - lo_row : b - lo_row], short_rows=short)  # fmt: skip
+        # the chunk's scores die here, not when the next chunk's scores are assigned: only one
+        # chunk's logits exist at a time (the next scoring call reuses their memory, on the
+        # same stream, after the selector has read them)
+        del sc, scores, visible
     if out is None:
         return torch.full((hi_row - lo_row, k_sel), -1, dtype=torch.int32, device=device)
     for a, b in unscored:  # every row lies in one chunk: the others are written above

@@ -78,3 +78,24 @@ def test_chunk_rows_are_kept_per_batch():
     other = dataclasses.replace(p, config=dataclasses.replace(p.config, max_logits_bytes=2 * 2**20))
     assert scoring_chunk_rows(be, other, P) < C  # the budget is in the key
     assert len(p.seq.batch.section("chunks")) == 2
+
+
+def test_one_chunk_of_scores_alive_at_a_time(monkeypatch):
+    """When a chunk is scored, nothing holds the previous chunk's scores any more: the peak
+    memory of a call is one chunk's logits, not two."""
+    import weakref
+
+    p = _problem([4096], 1 * 2**20)  # one document, a small budget: several chunks
+    be = BACKENDS["torch"]
+    real, alive, chunks = be.score, [], []
+
+    def score(*args):
+        alive.append(any(ref() is not None for ref in chunks))
+        out = real(*args)
+        chunks.append(weakref.ref(out.scores))
+        return out
+
+    monkeypatch.setattr(be, "score", score)
+    solve(p, "torch")
+    assert len(chunks) >= 3, len(chunks)
+    assert alive == [False] * len(chunks)
