@@ -51,8 +51,6 @@ def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[in
     import deep_gemm
 
     from sp_kpool.kernels import triton_fp8_fused as ff
-    from sp_kpool.plan import plan_chunks
-    from sp_kpool.pooling import pool_table
 
     total, lengths = CASES[case] if total is None else (total, lengths)
     p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=topk, precision="fp8", lengths=lengths,
@@ -73,18 +71,7 @@ def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[in
     res["peak_extra_mib_fused"] = peak_mb(lambda: solve(fused_p, "deepgemm"))
     # the same prepared inputs for the kernels alone: all this rank's rows in one call
     be = BACKENDS["deepgemm"]
-    seq = p.seq
-    lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    pts = pool_table(seq.real_cu_seq_lens, p.kpool)[0].to("cuda")
-    plan = plan_chunks(seq, p.kpool, hi_row - lo_row, lo_row, hi_row, p.device, cache=False)
-    pools = be.pools(p, pts, None)
-    from sp_kpool.backends.base import QueryInputs
-
-    _, queries = be.prepare(p, None, QueryInputs(p.q, p.head_weights, lo_row))
-    q8, wq = queries.q, queries.w
-    starts, ends = plan.ranges[0, : hi_row - lo_row], plan.ranges[1, : hi_row - lo_row]
-    lo = plan.chunks[0].pool_lo
-    k8, ks = pools.keys[lo:], pools.scales[lo:]
+    q8, wq, k8, ks, starts, ends, lo = prepared(p)
     k = topk // p.kpool
     dg = H in be.deepgemm_heads
     if dg:
@@ -138,14 +125,14 @@ def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[in
     return res
 
 
-def w_inputs(H: int, topk: int = 2048):
-    """W's prepared FP8 inputs for the kernels alone: every row of the slice in one call."""
+def prepared(p) -> tuple:
+    """The deepgemm backend's prepared FP8 inputs of problem ``p`` for the kernels alone, every
+    row of its slice in one call: ``(q8, wq, k8, k_scale, starts, ends, lo)``, the pools from
+    ``lo`` on (the first chunk's first pool) and the rows' ranges relative to ``lo``."""
     from sp_kpool.backends.base import QueryInputs
     from sp_kpool.plan import plan_chunks
     from sp_kpool.pooling import pool_table
 
-    p = rank_slice_problem(131072, 4, 3, heads=H, head_dim=128, topk=topk, precision="fp8", device="cuda",
-                           max_logits_bytes=2 * 2**30)  # fmt: skip
     be, seq = BACKENDS["deepgemm"], p.seq
     lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
     pts = pool_table(seq.real_cu_seq_lens, p.kpool)[0].to("cuda")
@@ -154,7 +141,15 @@ def w_inputs(H: int, topk: int = 2048):
     _, queries = be.prepare(p, None, QueryInputs(p.q, p.head_weights, lo_row))
     lo = plan.chunks[0].pool_lo
     n = hi_row - lo_row
-    return queries.q, queries.w, pools.keys[lo:], pools.scales[lo:], plan.ranges[0, :n], plan.ranges[1, :n]
+    return (queries.q, queries.w, pools.keys[lo:], pools.scales[lo:], plan.ranges[0, :n], plan.ranges[1, :n],
+            lo)  # fmt: skip
+
+
+def w_inputs(H: int, topk: int = 2048):
+    """W's prepared FP8 inputs for the kernels alone: every row of the slice in one call."""
+    p = rank_slice_problem(131072, 4, 3, heads=H, head_dim=128, topk=topk, precision="fp8", device="cuda",
+                           max_logits_bytes=2 * 2**30)  # fmt: skip
+    return prepared(p)[:6]
 
 
 def sweep(H: int, configs: list[dict], caps: list[tuple[int, int]], k: int = 512) -> list[dict]:
