@@ -95,23 +95,24 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _sizes(W: int, k: int, tile: int, capg: int | None):
+def _sizes(W: int, k: int, tile: int, capg: int | None, group: int | None = None):
     """``(tile, group, ng, capg)`` of a launch for rows of width ``W``.
 
-    ``group``: the smallest power of two ``>= 8`` that makes at most 8192 groups (wider
-    rows get wider groups). ``capg`` (default): ``pow2(k)``; the candidate block is
-    ``capg * group`` cells."""
+    ``group`` (default): the smallest power of two ``>= 8`` that makes at most 8192 groups
+    (wider rows get wider groups); a given ``group`` is taken as it is (the launcher checks
+    it). ``capg`` (default): ``pow2(k)``; the candidate block is ``capg * group`` cells."""
     tile = min(_pow2(tile), _pow2(max(W + 8, 16)))
-    group = max(8, min(tile // 8, _pow2(-(-max(W, 1) // _MAX_GROUPS))))
+    if group is None:
+        group = max(8, min(tile // 8, _pow2(-(-max(W, 1) // _MAX_GROUPS))))
     # groups are aligned to multiples of `group` columns: a row [a, e) within W columns
     # touches at most cdiv(W, group) of them; phase 2 holds them as [ng / gl, gl]
     ng = max(_pow2(-(-max(W, 1) // group)), group, 8)
     return tile, group, ng, _pow2(capg or _pow2(k))
 
 
-def _default_warps(W: int, k: int) -> int:
+def _default_warps(W: int, k: int, group: int | None = None) -> int:
     """Warps per program: 16 candidate cells per thread, 4 to 16 warps."""
-    _, group, _, capg = _sizes(W, k, 4096, None)
+    _, group, _, capg = _sizes(W, k, 4096, None, group)
     return min(16, max(4, capg * group // 512))
 
 
@@ -307,6 +308,7 @@ def topk_ascending(
     split2: tuple[float, float] | None = None,
     split4: tuple[float, float] | None = None,
     short_rows: bool = True,
+    group: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exact Top-K of each row, in ascending column order.
@@ -342,6 +344,10 @@ def topk_ascending(
             answer does not depend on them.
         short_rows: rows whose range holds at most ``k`` columns select every visible one
             without ranking (step 0); ``False`` ranks them as the others (benchmarks).
+        group: columns per group of phase 1 (a power of two, at least 4, at most ``tile //
+            8``; default 8, wider for rows of more than 65536 columns): smaller groups make
+            more group maxima (phase 2) and fewer candidate cells (phase 4). The answer does
+            not depend on it.
         out: optional ``[R, k]`` int32 destination with unit column stride (e.g. rows of
             a larger output), every element overwritten; returned.
 
@@ -373,9 +379,14 @@ def topk_ascending(
                          f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())} on {out.device}")  # fmt: skip
     if R == 0:
         return out
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 4
+                              or group & (group - 1)):  # fmt: skip
+        raise ValueError(f"group: expected a power of two >= 4, got {group!r}")
     capg_req = capg
-    warps = num_warps or _default_warps(W, k)
-    tile, group, ng, capg = _sizes(W, k, tile or 512 * warps, capg)
+    warps = num_warps or _default_warps(W, k, group)
+    tile, group, ng, capg = _sizes(W, k, tile or 512 * warps, capg, group)
+    if group > tile // 8:
+        raise ValueError(f"group: expected at most tile // 8 = {tile // 8} columns, got {group}")
     if capg < k:
         raise ValueError(f"capg: expected at least k = {k}, got {capg_req}")
     if capg * group > _MAX_BLOCK:

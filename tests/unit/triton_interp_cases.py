@@ -249,6 +249,30 @@ def test_group_sizes():
     assert tk._sizes(131072, 512, 4096, None) == (4096, 16, 8192, 512)  # 8192 groups at most
 
 
+@pytest.mark.parametrize("ways", [2, 3, 5])
+def test_groups_of_four_columns(ways):
+    # group=4: twice the group maxima, half the candidate cells; the same exact answer on
+    # random rows, exact ties, NaN and infinities, short and unaligned ranges, streamed groups
+    assert tk._sizes(32768, 2048, 8192, None, 4) == (8192, 4, 8192, 2048)
+    g = torch.Generator().manual_seed(11)
+    n = 3000
+    s = torch.randn(7, n, generator=g)
+    s[1] = torch.randint(0, 3, (n,), generator=g).float()  # three levels: long runs of equal keys
+    s[2, ::7] = float("nan")
+    s[3, 100:200] = float("inf")
+    s[3, 300:] = float("-inf")
+    starts = torch.tensor([0, 1, 3, 0, 2990, 5, 1001])
+    ends = torch.tensor([n, n, n - 2, n, n, 1003, 2999])
+    for k in (1, 37, 300, 700):
+        run(s, starts, ends, k, group=4, ways=ways, tile=256)
+        assert tk.last_launch["G"] == 4
+    run(s, starts, ends, 300, group=4, capg=512, tile=256)  # few register groups: the streamed path
+    with pytest.raises(ValueError, match="group: expected a power of two >= 4"):
+        run(s, starts, ends, 4, group=6)
+    with pytest.raises(ValueError, match="group: expected at most tile // 8"):
+        run(s, starts, ends, 4, group=64, tile=256)
+
+
 @pytest.mark.parametrize("kind", ["lognormal", "two_clusters", "denormal_and_huge", "few_groups"])
 def test_searches_on_skewed_rows(kind):
     # keys spread over the whole int32 range, clusters far apart, fewer visible groups
