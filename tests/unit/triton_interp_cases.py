@@ -247,6 +247,13 @@ def test_group_sizes():
     # groups of 8 columns, wider ones for rows of more than 8192 groups of 8
     assert tk._sizes(32768, 512, 4096, None) == (4096, 8, 4096, 512)
     assert tk._sizes(131072, 512, 4096, None) == (4096, 16, 8192, 512)  # 8192 groups at most
+    # k > 512: groups of 4 up to 32768 columns (8192 groups), then as for k 512
+    assert tk._sizes(32768, 2048, 4096, None) == (4096, 4, 8192, 2048)
+    assert tk._sizes(32768, 1024, 4096, None) == (4096, 4, 8192, 1024)
+    assert tk._sizes(32769, 2048, 4096, None) == (4096, 8, 8192, 2048)
+    # warps: 16 candidate cells per thread up to 4096 cells, 8 warps for 8192, 16 above
+    assert [tk._default_warps(32768, k) for k in (100, 512, 1024, 2048)] == [4, 8, 8, 8]
+    assert [tk._default_warps(65536, k) for k in (512, 1024, 2048)] == [8, 8, 16]
 
 
 @pytest.mark.parametrize("ways", [2, 3, 5])
@@ -269,8 +276,8 @@ def test_groups_of_four_columns(ways):
     run(s, starts, ends, 300, group=4, capg=512, tile=256)  # few register groups: the streamed path
     with pytest.raises(ValueError, match="group: expected a power of two >= 4"):
         run(s, starts, ends, 4, group=6)
-    with pytest.raises(ValueError, match="group: expected at most tile // 8"):
-        run(s, starts, ends, 4, group=64, tile=256)
+    with pytest.raises(ValueError, match="group: expected at most the tile"):
+        run(s, starts, ends, 4, group=512, tile=256)
 
 
 @pytest.mark.parametrize("kind", ["lognormal", "two_clusters", "denormal_and_huge", "few_groups"])
