@@ -17,7 +17,7 @@ import torch
 
 from .backends.base import Backend, ChunkScores, Pools, Problem, Queries
 from .plan import Chunk, ChunkPlan, pad_rows
-from .selectors import choose_fused, may_have_short_rows, select_pools
+from .selectors import choose_fused, select_pools, short_rows_hint
 from .timing import RunRecord, stage
 
 __all__ = ["ChunkCall", "chunk_calls", "score_chunk", "select_chunks"]
@@ -121,7 +121,7 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
             visible = (cols[None] >= row_starts[:, None]) & (cols[None] < row_ends[:, None])
         if out is None:  # allocated after the first scoring launch, not before
             out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
-        short = may_have_short_rows(cu, a, b, k_sel, problem.kpool)
+        short = short_rows_hint(cu, a, b, k_sel, problem.kpool)
         with stage(record, "select", device):
             # straight into this chunk's output rows, every element written
             select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts,

@@ -44,6 +44,7 @@ __all__ = [
     "choose",
     "choose_fused",
     "may_have_short_rows",
+    "short_rows_hint",
     "describe",
     "select_pools",
     "reads_row_ranges_only",
@@ -244,7 +245,7 @@ def _rank_by_score(scores: torch.Tensor, pools: torch.Tensor, base: torch.Tensor
     return _unpack_ids(top, base).masked_fill_(top == _INVALID_KEY, -1)
 
 
-def _select_cuda(scores, visible, k: int, col0, ends, order: str, starts, out, short_rows: bool = True):
+def _select_cuda(scores, visible, k: int, col0, ends, order: str, starts, out, short_rows: bool | str = True):
     """The Triton selector's path of :func:`select_pools` (``out``: ``[R, k]`` or ``None``)."""
     from .kernels.triton_topk import topk_ascending as fast
 
@@ -299,7 +300,7 @@ class Selector:
         raise NotImplementedError
 
     def select(self, scores, visible, k: int, col0, starts, ends, order: str, out=None,
-               short_rows: bool = True) -> torch.Tensor:  # fmt: skip
+               short_rows: bool | str = True) -> torch.Tensor:  # fmt: skip
         """``[R, min(k, N)]`` global pool ids (``-1`` unused, last) in ``order`` (see
         :func:`select_pools` for the arguments); with ``writes_out``, ``out`` written whole.
         ``short_rows``: :func:`select_pools`'s hint (a selector may ignore it)."""
@@ -391,6 +392,21 @@ def describe(device: torch.device, k: int = 512, width: int = 32768) -> list[tup
     return rows
 
 
+def short_rows_hint(real_cu_seq_lens: list[int], a: int, b: int, k: int, kpool: int) -> bool | str:
+    """:func:`select_pools`'s ``short_rows`` hint for the global rows ``[a, b)``: ``"all"``
+    when every real row of them sees at most ``k`` pools (the ``j``-th token of a document
+    sees ``(j + 1) // kpool``, so each document's last row in the range decides), else
+    :func:`may_have_short_rows`. Host arithmetic on the document boundaries only."""
+    cu = real_cu_seq_lens
+    b = min(b, cu[-1])
+    if a >= b:
+        return False
+    d0, d1 = bisect.bisect_right(cu, a) - 1, bisect.bisect_left(cu, b)  # documents d0 .. d1 - 1 meet [a, b)
+    if all((min(b, cu[d + 1]) - cu[d]) // kpool <= k for d in range(d0, d1)):
+        return "all"
+    return may_have_short_rows(cu, a, b, k, kpool)
+
+
 def may_have_short_rows(real_cu_seq_lens: list[int], a: int, b: int, k: int, kpool: int) -> bool:
     """Whether a real row of the global rows ``[a, b)`` of a packed sequence (document
     boundaries ``real_cu_seq_lens``, host ints) sees at most ``k`` pools (``(j + 1) // kpool``
@@ -417,7 +433,7 @@ def reads_row_ranges_only(k: int, width: int, order: str) -> bool:
 
 
 def select_pools(
-    scores, visible, k: int, col0, ends=None, order: str = "", starts=None, out=None, short_rows: bool = True
+    scores, visible, k: int, col0, ends=None, order: str = "", starts=None, out=None, short_rows: bool | str = True
 ) -> torch.Tensor:
     """Deterministic Top-K of one scoring chunk: ``[R, min(k, N)]`` global pool ids, ``-1``.
 
@@ -436,12 +452,13 @@ def select_pools(
     pipeline's output): the row is written whole, ``-1`` past ``min(k, N)``, and ``out`` is
     returned. A selector with ``writes_out`` writes into it directly; the others copy.
 
-    ``short_rows``: a speed hint, never a change of the ids: ``False`` when no row's range
-    holds at most ``k`` columns (:func:`may_have_short_rows` from host-side lengths), so the
-    Triton selector compiles without its step for such rows (on an H200 that step cost
-    0.25-0.46 ms on rows that never take it, 32768 rows of 24.6K-32.8K pools,
-    ``benchmarks/results/h200-cu130-torch2.11/``); rows that do hold at most ``k`` are then
-    ranked like the others: the same ids, more slowly.
+    ``short_rows``: a speed hint (:func:`short_rows_hint` from host-side lengths): ``False``
+    when no row's range holds at most ``k`` columns, so the Triton selector compiles without
+    its step for such rows (on an H200 that step cost 0.25-0.46 ms on rows that never take
+    it, 32768 rows of 24.6K-32.8K pools, ``benchmarks/results/h200-cu130-torch2.11/``); rows
+    that do hold at most ``k`` are then ranked like the others: the same ids, more slowly.
+    ``"all"``: every row's range holds at most ``k`` columns (a guarantee, not a guess: the
+    Triton selector then runs only the step that takes every visible cell).
     """
     if order == UNUSED_FIRST:  # selected ascending; the expansion moves the unused slots first
         order = "ascending"

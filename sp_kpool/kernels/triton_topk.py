@@ -145,6 +145,33 @@ def supports(width: int, k: int) -> bool:
 
 
 @triton.jit
+def _select_all(srow, orow, a, e, pbase, kofs):
+    """Step 0 of a row whose range ``[a, e)`` holds at most ``KP`` columns: every visible
+    cell (``-inf`` and NaN are invisible), no ranking, one masked tile, written in column
+    order as ``pbase + column``; returns how many."""
+    m0 = kofs < e - a
+    v0 = tl.load(srow + a + kofs, mask=m0, other=float("-inf"))
+    ok0 = (m0 & (v0 > float("-inf"))).to(tl.int32)  # -inf and NaN are invisible
+    tl.store(orow + tl.cumsum(ok0, axis=0) - 1, (pbase + a + kofs).to(tl.int32), mask=ok0 == 1)
+    return tl.sum(ok0)
+
+
+@triton.jit
+def short_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, k, KP: tl.constexpr):
+    """Rows that all see at most ``k`` cells (``topk_ascending(short_rows="all")``): step 0
+    only, one row per program (no scratch, no persistent loop), ``-1`` after."""
+    row = tl.program_id(0)
+    a = tl.load(starts_ptr + row)
+    e = tl.load(ends_ptr + row)
+    pbase = tl.load(base_ptr + row)
+    tl.device_assert(e - a <= k, "short_rows='all' with a row that holds more than k columns")
+    kofs = tl.arange(0, KP)
+    orow = Out + tl.cast(row, tl.int64) * stride_o
+    nsel = _select_all(S + tl.cast(row, tl.int64) * stride_s, orow, a, e, pbase, kofs)
+    tl.store(orow + kofs, tl.full((KP,), -1, tl.int32), mask=(kofs >= nsel) & (kofs < k))
+
+
+@triton.jit
 def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gmax, Cand, R, k, nprog,
                   TILE: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, CAPG: tl.constexpr, KP: tl.constexpr,
                   WAYS: tl.constexpr, SB: tl.constexpr, GL: tl.constexpr, CW: tl.constexpr, VSTEPS: tl.constexpr = 0,
@@ -182,11 +209,7 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
         if (e - a <= k) & (SHORT == 1):
             # 0. a row that sees at most k cells selects every visible one: no ranking (the
             # rows of short documents); one masked tile of KP >= k columns, in column order
-            m0 = kofs < e - a
-            v0 = tl.load(srow + a + kofs, mask=m0, other=float("-inf"))
-            ok0 = (m0 & (v0 > float("-inf"))).to(tl.int32)  # -inf and NaN are invisible
-            tl.store(orow + tl.cumsum(ok0, axis=0) - 1, (pbase + a + kofs).to(tl.int32), mask=ok0 == 1)
-            nsel = tl.sum(ok0)
+            nsel = _select_all(srow, orow, a, e, pbase, kofs)
         else:
             # 1. maxima of the groups of G columns (INT32_MIN: no visible cell). Tiles i of
             # [a0 + i TILE, a0 + (i + 1) TILE): those inside [a, e) (i in [i0, i1), most of
@@ -321,7 +344,7 @@ def topk_ascending(
     vsteps: int | None = None,
     split2: tuple[float, float] | None = None,
     split4: tuple[float, float] | None = None,
-    short_rows: bool = True,
+    short_rows: bool | str = True,
     group: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -357,7 +380,11 @@ def topk_ascending(
             in key (phase 4); defaults ``_DEFAULT_SPLIT2`` and ``_DEFAULT_SPLIT4``. The
             answer does not depend on them.
         short_rows: rows whose range holds at most ``k`` columns select every visible one
-            without ranking (step 0); ``False`` ranks them as the others (benchmarks).
+            without ranking (step 0); ``False`` ranks them as the others (a row that is
+            not short never takes the step: the kernel is compiled without it); ``"all"``:
+            the caller guarantees that every row's range holds at most ``k`` columns (e.g.
+            from its documents' lengths): one small program per row runs step 0 only (on an
+            H200, 32768 rows of short documents: see the README of the results).
         group: columns per group of phase 1 (a power of two, at least 4, at most ``tile``;
             default: 4 for ``k > 512`` in rows of at most 32768 columns, else 8, wider for
             rows of more than 65536 columns): smaller groups make more group maxima (phase
@@ -391,7 +418,22 @@ def topk_ascending(
           or (k > 1 and out.stride(1) != 1)):  # fmt: skip
         raise ValueError(f"out: expected an int32 tensor of shape {(R, k)} with unit column stride on {dev}, got "
                          f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())} on {out.device}")  # fmt: skip
+    if short_rows not in (True, False, "all"):
+        raise ValueError(f"short_rows: expected True, False or 'all', got {short_rows!r}")
     if R == 0:
+        return out
+    # columns outside [0, W) do not exist: phase 1 reads and stores whole tiles up to the end
+    # without masks, and its tile arithmetic (a start's tile + tiles) stays within int32
+    starts = starts.to(device=dev, dtype=torch.int32).clamp(min=0, max=W).contiguous()
+    ends = ends.to(device=dev, dtype=torch.int32).clamp(max=W).contiguous()
+    base = base.to(device=dev, dtype=torch.int64).contiguous()
+    if short_rows == "all":  # every row short (the caller's guarantee): step 0 only, a program per row
+        kp = _pow2(k)
+        warps = max(1, min(8, kp // 128))
+        last_launch.clear()
+        last_launch.update(kernel="short", programs=R, num_warps=warps, KP=kp)
+        short_kernel[(R,)](scores, scores.stride(0), starts, ends, base, out, out.stride(0), k, KP=kp,
+                           num_warps=warps)  # fmt: skip
         return out
     if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 4
                               or group & (group - 1)):  # fmt: skip
@@ -415,7 +457,7 @@ def topk_ascending(
         )
     # streamed candidate blocks: at least 256 groups (small k would make tiny blocks), within the block limit
     sb = max(capg, min(256, _MAX_BLOCK // group))
-    consts = dict(SHORT=int(short_rows), TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), WAYS=ways, SB=sb, GL=max(group, 8),
+    consts = dict(SHORT=int(bool(short_rows)), TILE=tile, G=group, NG=ng, CAPG=capg, KP=_pow2(k), WAYS=ways, SB=sb, GL=max(group, 8),
                   CW=max(ng, capg), num_warps=warps)  # fmt: skip
     if vsteps and ways in (2, 3):
         consts["VSTEPS"] = vsteps
@@ -426,11 +468,6 @@ def topk_ascending(
     maxnreg = _DEFAULT_MAXNREG if maxnreg is None and warps <= 8 else maxnreg
     if maxnreg:
         consts["maxnreg"] = maxnreg
-    # columns outside [0, W) do not exist: phase 1 reads and stores whole tiles up to the end
-    # without masks, and its tile arithmetic (a start's tile + tiles) stays within int32
-    starts = starts.to(device=dev, dtype=torch.int32).clamp(min=0, max=W).contiguous()
-    ends = ends.to(device=dev, dtype=torch.int32).clamp(max=W).contiguous()
-    base = base.to(device=dev, dtype=torch.int64).contiguous()
     cut = _rows_in_storage(scores, -(-W // group) * group)
     if cut > 0:
         _launch(scores[:cut], starts[:cut], ends[:cut], base[:cut], out[:cut], consts, programs)
@@ -485,7 +522,7 @@ def _launch(scores, starts, ends, base, out, consts, programs):
         if programs is None:
             programs = occ["sms"] * occ["per_sm"]
     progs = max(1, min(R, programs or 4))
-    last_launch.update(programs=progs, VSTEPS=consts.get("VSTEPS", 0),
+    last_launch.update(kernel="select", programs=progs, VSTEPS=consts.get("VSTEPS", 0),
                        split2=(consts.get("F2A"), consts.get("F2B")) if "F2B" in consts else (),
                        split4=(consts.get("F4A"), consts.get("F4B")) if "F4B" in consts else (),
                        **{n: consts[n] for n in ("TILE", "G", "NG", "CAPG", "SB", "WAYS", "num_warps")})  # fmt: skip

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sp_kpool.selection import topk_pools
-from sp_kpool.testing.bench_inputs import ascending_pools
+from sp_kpool.testing.bench_inputs import ascending_pools, exact_ascending
 
 pytestmark = pytest.mark.xdist_group("gpu")
 LEVELS = (3, 1000, 10**7)
@@ -116,6 +116,29 @@ def test_triton_topk_ascending_nan_cells(k):
     ref = ascending_pools(topk_pools(scores, vis, k, 0)[0]).int()
     got = topk_ascending(scores, st, en, torch.zeros(R, dtype=torch.int64, device="cuda"), k)[:, : ref.shape[1]]
     assert torch.equal(got, ref)
+
+
+@pytest.mark.requires("triton")
+@pytest.mark.parametrize("k", (512, 2048))
+@pytest.mark.parametrize("levels", LEVELS)
+def test_triton_topk_ascending_all_short_rows(cache, levels, k):
+    # short_rows="all" (every range holds at most k columns, as the rows of short documents):
+    # one program per row, the same ids as the persistent kernel and the exact rule, NaN and
+    # -inf cells never selected
+    scores, st, _, _, _ = _case(cache, levels)
+    R, N = scores.shape
+    g = torch.Generator(device="cuda").manual_seed(k)
+    en = torch.minimum(st + torch.randint(0, k + 1, (R,), generator=g, device="cuda"), torch.tensor(N, device="cuda"))
+    s = scores.clone()
+    s[0::5, ::3] = float("nan")
+    s[1::5, 5::4] = -float("inf")
+    cols = torch.arange(N, device="cuda")
+    vis = (cols >= st[:, None]) & (cols < en[:, None]) & (s > -float("inf"))
+    ref = exact_ascending(s, vis, k, 0)
+    base = torch.zeros(R, dtype=torch.int64, device="cuda")
+    got = topk_ascending(s, st, en, base, k, short_rows="all")
+    assert torch.equal(got, ref)
+    assert torch.equal(got, topk_ascending(s, st, en, base, k))
 
 
 @pytest.mark.requires("triton")

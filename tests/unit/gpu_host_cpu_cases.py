@@ -168,6 +168,12 @@ def test_short_row_hint_reaches_the_selector(monkeypatch):
     ref, got = both(monkeypatch, x, 1, "deepgemm", "fp8", 8 * 256 * 4, dict(layout="compact"))
     assert torch.equal(got, ref)
     assert True in seen and False in seen, seen
+    # documents of at most (k + 1) kpool - 1 tokens: every row is short, the selector is told so
+    seen.clear()
+    x = make_inputs([11, 3, 8, 11], heads=32, head_dim=128, kpool=K, seed=5, dtype=torch.bfloat16)
+    ref, got = both(monkeypatch, x, 1, "deepgemm", "fp8", 8 * 256 * 4, dict(layout="compact"))
+    assert torch.equal(got, ref)
+    assert seen and set(seen) == {"all"}, seen
 
 
 TL_CASES = [

@@ -573,13 +573,14 @@ def test_order_ascending_unused_first_pads_a_narrow_selection():
 
 
 def test_short_row_hint_equals_the_rows_it_describes():
-    # may_have_short_rows (host ints) against row_meta's n_visible of every row of the range
+    # may_have_short_rows and short_rows_hint (host ints) against row_meta's n_visible of every
+    # row of the range
     import random
 
-    from sp_kpool.selectors import may_have_short_rows
+    from sp_kpool.selectors import may_have_short_rows, short_rows_hint
 
     rng = random.Random(0)
-    for _ in range(300):
+    for _ in range(600):
         lens = [rng.randint(1, 60) for _ in range(rng.randint(1, 5))]
         cu = [0]
         for n in lens:
@@ -591,3 +592,10 @@ def test_short_row_hint_equals_the_rows_it_describes():
         m = row_meta(torch.arange(a, b), torch.tensor(cu), offs, kpool)
         want = bool(((m.n_visible <= k) & ~m.padding).any())
         assert may_have_short_rows(cu, a, b, k, kpool) == want, (cu, a, b, k, kpool)
+        # "all": every real row of the range is short (a guarantee the selector relies on)
+        real = ~m.padding
+        every = bool(real.any() and (m.n_visible[real] <= k).all())
+        hint = short_rows_hint(cu, a, b, k, kpool)
+        assert (hint == "all") == every, (cu, a, b, k, kpool, hint)
+        if hint != "all":
+            assert hint == want

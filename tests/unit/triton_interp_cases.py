@@ -665,6 +665,26 @@ def test_short_rows_step_is_only_a_shortcut():
     assert torch.equal(a, b) and torch.equal(a, exact_ascending(s, starts, ends, base, 32))
 
 
+def test_all_short_rows_launch():
+    # short_rows="all" (every range holds at most k columns): one program per row, step 0
+    # only; the same ids as the persistent kernel, NaN and -inf never selected, empty ranges
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(7, 300, generator=g)
+    s[0, 3:9] = float("nan")
+    s[1, :] = float("-inf")
+    s[2, 10:40] = 0.0
+    starts = torch.tensor([0, 10, 50, 268, 299, 100, 7])
+    ends = torch.tensor([32, 30, 51, 300, 299, 132, 3])
+    base = torch.arange(7, dtype=torch.int64) * 1000
+    for k in (32, 40):
+        got = tk.topk_ascending(s, starts, ends, base, k, short_rows="all")
+        assert tk.last_launch["kernel"] == "short"
+        assert torch.equal(got, exact_ascending(s, starts, ends, base, k))
+        assert torch.equal(got, tk.topk_ascending(s, starts, ends, base, k, tile=128))
+    with pytest.raises(ValueError, match="short_rows: expected True, False or 'all'"):
+        tk.topk_ascending(s, starts, ends, base, 32, short_rows="some")
+
+
 def test_expand_takes_the_unused_slots_first():
     # order="ascending-unused-first" (XTuner's columns): assemble hands the kernel the pools
     # sorted with -1 first, padded to topk // kpool slots; with tail="fixed" every slot is
