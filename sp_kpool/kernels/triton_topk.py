@@ -1,6 +1,7 @@
 """Exact, deterministic Top-K selection on the GPU (Triton): the launcher
-:func:`topk_ascending` (with :func:`supports` and :data:`MAX_K`) and its kernel
-``select_kernel``; the kernel's search and count helpers are in
+:func:`topk_ascending` (with :func:`supports` and :data:`MAX_K`) and its kernels
+``select_kernel`` and ``short_kernel`` (rows that all see at most ``k`` columns: step 0
+below, one program per row); the search and count helpers are in
 :mod:`sp_kpool.kernels.triton_topk_search`.
 
 :func:`topk_ascending` selects, in every row of an FP32 score matrix, the ``k`` best
@@ -18,11 +19,11 @@ scratch area in global memory, which stays in L2):
 1. Keys: the FP32 bits mapped to a monotone int32; cells outside ``[start, end)`` or at
    ``-inf`` or NaN get ``INT32_MIN`` (invisible). One pass over the row stores the maxima
    of groups of ``G`` aligned adjacent columns (``G`` = 4 for ``k > 512`` up to 32768
-   columns, else 8 up to 65536 columns, then 16, 32, ...). Whole groups are read with vector loads (the launcher runs rows whose last group
-   would end past the tensor's storage from a padded copy); the tiles inside ``[start,
-   end)`` run in a loop of their own without masks or branches that converts only the
-   group maxima to keys (the first and the last tile, masked, after it). Nothing is
-   counted here.
+   columns, else 8 up to 65536 columns, then 16, 32, ...). Whole groups are read with
+   vector loads (the launcher runs rows whose last group would end past the tensor's
+   storage from a padded copy); the tiles inside ``[start, end)`` run in a loop of their
+   own without masks or branches that converts only the group maxima to keys (the first
+   and the last tile, masked, after it). Nothing is counted here.
 2. ``L``: a value with at least ``k`` and at most ``capg`` (default: the power of two
    ``>= k``) group maxima ``>= L``, by a search over the maxima in registers that stops
    early (its bracket starts at the smallest visible maximum, and its first steps split
@@ -384,7 +385,8 @@ def topk_ascending(
             not short never takes the step: the kernel is compiled without it); ``"all"``:
             the caller guarantees that every row's range holds at most ``k`` columns (e.g.
             from its documents' lengths): one small program per row runs step 0 only (on an
-            H200, 32768 rows of short documents: see the README of the results).
+            H200, 32768 rows of 2048-token documents at ``k`` 512: 0.047 ms, against 0.13
+            ms through the persistent kernel).
         group: columns per group of phase 1 (a power of two, at least 4, at most ``tile``;
             default: 4 for ``k > 512`` in rows of at most 32768 columns, else 8, wider for
             rows of more than 65536 columns): smaller groups make more group maxima (phase
