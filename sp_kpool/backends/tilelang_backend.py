@@ -1,11 +1,13 @@
 """``backend="tilelang"``: BF16 modes on Hopper GPUs.
 
-Pools on the GPU (``bf16``: the model arithmetic in torch ops; ``bf16-serving``: the
-Triton serving-compression kernel, bitwise equal to the torch one, or the torch one when
-Triton is missing), scores with the TileLang kernel of :mod:`sp_kpool.kernels.tilelang_score`
-(``-inf`` outside each row's causal range; the fill of the rest of the chunk is skipped
-when the Triton selector, which reads only each row's range, selects), selection by
-:func:`sp_kpool.selection.select_pools` (on CUDA the exact Triton selector, no host sync).
+Pools on the GPU (``bf16``: the model arithmetic in one Triton kernel, bitwise equal to the
+torch ops of :func:`sp_kpool.pooling.compress_pools_bf16` on the GPU, or those ops when
+Triton is missing; ``bf16-serving``: the Triton serving-compression kernel, bitwise equal
+to the torch one, or the torch one when Triton is missing), scores with the TileLang
+kernel of :mod:`sp_kpool.kernels.tilelang_score` (``-inf`` outside each row's causal
+range; the fill of the rest of the chunk is skipped when the Triton selector, which reads
+only each row's range, selects), selection by :func:`sp_kpool.selection.select_pools` (on
+CUDA the exact Triton selector, no host sync).
 """
 
 from __future__ import annotations
@@ -52,14 +54,21 @@ class TileLangBackend(Backend):
         return reasons
 
     def prepare(self, problem: Problem, pools: PoolInputs | None, queries: QueryInputs | None):
-        """Pools on the GPU (``bf16``: the model arithmetic in torch ops; ``bf16-serving``: the
-        Triton kernel, or the torch one without Triton); queries as given."""
+        """Pools on the GPU (``bf16``: the model arithmetic, ``bf16-serving``: serving's; each a
+        Triton kernel bitwise equal to its torch ops, or those ops without Triton); queries
+        as given."""
         pooled = None
         if pools is not None:
             args = (pools.k, pools.gates, problem.ape, pools.pool_tok_start)
+            triton = probe("triton")[0] is not None
             if problem.precision == "bf16":  # the model definition: one order, no schedule
-                pooled = Pools(compress_pools_bf16(*args))
-            elif probe("triton")[0] is not None:
+                if triton and pools.k.dtype == torch.bfloat16:
+                    from ..kernels.triton_serving import pools_model
+
+                    pooled = Pools(pools_model(*args))
+                else:
+                    pooled = Pools(compress_pools_bf16(*args))
+            elif triton:
                 from ..kernels.triton_serving import pools_serving
 
                 pooled = Pools(pools_serving(*args, fp8=False, extend=pools.extend))

@@ -1,4 +1,5 @@
-"""Triton kernels of the serving arithmetic (contract §6), bitwise equal to :mod:`sp_kpool.serving`.
+"""Triton kernels of the serving arithmetic (contract §6), bitwise equal to :mod:`sp_kpool.serving`,
+and of the model's pooling (contract §2), bitwise equal to :mod:`sp_kpool.pooling`.
 
 * :func:`pools_serving`: serving's compression (FP32, slots in order: the decode order's two
   passes, or per pool the extend order's online recurrence where ``extend`` says so), then
@@ -6,6 +7,8 @@
   with a UE8M0 scale per pool (``fp8``), in one kernel.
 * :func:`queries_fp8`: Hadamard -> BF16 round -> E4M3 with a scale per (row, head).
 * :func:`prepare_fp8`: both of the FP8 ones in one launch (the same kernel code).
+* :func:`pools_model`: the model-definition pools (``bf16``) in one launch, bitwise equal
+  to :func:`sp_kpool.pooling.compress_pools_bf16` on the GPU (about a dozen torch kernels).
 
 Exactness: products and sums that torch runs as separate kernels are written as PTX
 ``mul.rn.f32`` / ``add.rn.f32`` (never contracted into an FMA), divisions as
@@ -18,7 +21,7 @@ import functools
 
 import torch
 
-__all__ = ["pools_serving", "queries_fp8", "prepare_fp8"]
+__all__ = ["pools_serving", "pools_model", "queries_fp8", "prepare_fp8"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -312,7 +315,41 @@ def _kernels():
             query_vectors(q_ptr, out_ptr, w_ptr, wout_ptr, rows, rmask, rows - PAD0,
                           rmask & (rows >= PAD0) & (rows < PAD0 + NV), c8, INV_SQRT_D, INV_SQRT_H, BLOCK)
 
-    return pool_kernel, query_kernel, query_kernel_128, prepare_fp8_kernel
+    @triton.jit
+    def model_pool_kernel(k_ptr, g_ptr, ape_ptr, start_ptr, out_ptr, P, stride_k, stride_g, K: tl.constexpr,
+                          D: tl.constexpr, BLOCK: tl.constexpr):
+        # pools pid * BLOCK .. pid * BLOCK + BLOCK - 1 in the model arithmetic
+        # (`pooling.compress_pools_bf16`), each step as the CUDA kernels of its torch ops
+        # compute it: the FP32 slot softmax of the spatial softmax kernel (the maximum from
+        # FP32's lowest value, `m < s ? s : m`, so NaN never wins; the sum from 0 in slot
+        # order; `exp(s - m) / sum`), the BF16 probabilities times the BF16 keys rounded to
+        # BF16 (the FP32 product is exact), their sum in FP32 from 0 in slot order (the
+        # reduction kernel's four accumulators combined in order give the same bits) rounded
+        # to BF16 once
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        rmask = rows < P
+        cols = tl.arange(0, D)
+        base = tl.load(start_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        m = tl.full((BLOCK, D), -3.4028234663852886e38, tl.float32)
+        for j in tl.static_range(K):
+            g = tl.load(g_ptr + (base + j)[:, None] * stride_g + cols[None, :], mask=rmask[:, None], other=0.0)
+            s = add_rn(g.to(tl.float32), tl.load(ape_ptr + j * D + cols).to(tl.float32)[None, :])
+            m = tl.where(m < s, s, m)
+        den = tl.zeros((BLOCK, D), tl.float32)
+        for j in tl.static_range(K):
+            g = tl.load(g_ptr + (base + j)[:, None] * stride_g + cols[None, :], mask=rmask[:, None], other=0.0)
+            s = add_rn(g.to(tl.float32), tl.load(ape_ptr + j * D + cols).to(tl.float32)[None, :])
+            den = add_rn(den, libdevice.exp(add_rn(s, -m)))
+        acc = tl.zeros((BLOCK, D), tl.float32)
+        for j in tl.static_range(K):
+            g = tl.load(g_ptr + (base + j)[:, None] * stride_g + cols[None, :], mask=rmask[:, None], other=0.0)
+            s = add_rn(g.to(tl.float32), tl.load(ape_ptr + j * D + cols).to(tl.float32)[None, :])
+            p = tl.math.div_rn(libdevice.exp(add_rn(s, -m)), den).to(tl.bfloat16).to(tl.float32)
+            kv = tl.load(k_ptr + (base + j)[:, None] * stride_k + cols[None, :], mask=rmask[:, None], other=0.0)
+            acc = add_rn(acc, mul_rn(p, kv.to(tl.float32)).to(tl.bfloat16).to(tl.float32))
+        tl.store(out_ptr + rows[:, None] * D + cols[None, :], acc.to(tl.bfloat16), mask=rmask[:, None])
+
+    return pool_kernel, query_kernel, query_kernel_128, prepare_fp8_kernel, model_pool_kernel
 
 
 #: Register cap of the D = 128 query kernel: 3 programs of 128 threads per SM. The kernel
@@ -365,6 +402,31 @@ def pools_serving(k, gates, ape, pool_tok_start, fp8: bool, block: int = 16, ext
     return (out, scale) if fp8 else out
 
 
+def pools_model(k: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, pool_tok_start: torch.Tensor,
+                block: int = 16) -> torch.Tensor:  # fmt: skip
+    """The model-definition pools (``bf16``) of ``pool_tok_start [P]`` (int64, CUDA) in one
+    launch: :func:`sp_kpool.pooling.compress_pools_bf16` bit for bit on the same GPU, which
+    runs about a dozen torch kernels (two gathers, the softmax, casts, the product and
+    the reduction).
+
+    ``k``: ``[S, D]`` bfloat16 (row-contiguous); ``gates``: ``[S, D]`` bfloat16 or float32;
+    ``ape``: ``[K, D]`` (any float dtype). Returns ``[P, D]`` bfloat16."""
+    import triton
+
+    if k.dtype != torch.bfloat16:
+        raise ValueError(f"k: expected bfloat16 (the model's key dtype), got {k.dtype}")
+    P, D, K = pool_tok_start.numel(), k.shape[1], ape.shape[0]
+    out = torch.empty((P, D), dtype=torch.bfloat16, device=k.device)
+    if P:
+        k = k if k.stride(1) == 1 else k.contiguous()
+        gates = gates if gates.stride(1) == 1 else gates.contiguous()
+        _kernels()[4][(triton.cdiv(P, block),)](
+            k, gates, ape.contiguous(), pool_tok_start.contiguous(), out, P, k.stride(0), gates.stride(0), K=K, D=D,
+            BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
 def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None = None, generic: bool = False,
                 before: int = 0, after: int = 0):  # fmt: skip
     """``(q8 [S, H, D] float8_e4m3fn, weights [S, H] float32)`` as
@@ -383,7 +445,7 @@ def queries_fp8(q: torch.Tensor, head_weights: torch.Tensor, block: int | None =
 
     if before < 0 or after < 0:
         raise ValueError(f"before, after: expected row counts >= 0, got {before}, {after}")
-    _, query_kernel, query_kernel_128, _ = _kernels()
+    query_kernel, query_kernel_128 = _kernels()[1:3]
     S, H, D = q.shape
     n = before + S + after
     dev = q.device

@@ -1,12 +1,13 @@
 """Triton serving kernels (fp8 pools with scales, bf16-serving pools, fp8 queries, pools and
 queries in one launch) bitwise equal to the torch serving implementation on the same GPU
-(gpu_check section ``serving-kernels``)."""
+(gpu_check section ``serving-kernels``); the model-pooling kernel (``bf16``) bitwise equal
+to the torch ops of ``pooling.compress_pools_bf16`` on the same GPU."""
 
 import pytest
 import torch
 
 from sp_kpool import serving
-from sp_kpool.pooling import pool_table
+from sp_kpool.pooling import compress_pools_bf16, pool_table
 
 pytestmark = [pytest.mark.requires("triton"), pytest.mark.xdist_group("gpu")]
 
@@ -53,6 +54,58 @@ def test_bf16_serving_pools(S, D, K):
     rb = serving.prepare_pools_bf16_serving(k, gates, ape, starts)
     differing = int((pb.view(torch.int16) != rb.view(torch.int16)).sum())
     assert torch.equal(pb.view(torch.int16), rb.view(torch.int16)), f"differing={differing}"
+
+
+def _same_bf16(a, b):
+    """Equal bit for bit, NaN payloads aside (torch writes 0x7FC0, the GPU's conversion 0x7FFF)."""
+    a16, b16 = a.view(torch.int16), b.view(torch.int16)
+    return bool(((a16 == b16) | (a.isnan() & b.isnan())).all()), int(((a16 != b16) & ~(a.isnan() & b.isnan())).sum())
+
+
+@pytest.mark.parametrize("S,D,K", POOL_CASES)
+@pytest.mark.parametrize("gates_dtype", [torch.bfloat16, torch.float32])
+def test_model_pools(S, D, K, gates_dtype):
+    from sp_kpool.kernels.triton_serving import pools_model
+
+    _, k, gates, ape, starts = _pool_inputs(S, D, K, S + 3)
+    gates = gates.to(gates_dtype)
+    if gates_dtype == torch.float32:  # values BF16 cannot hold
+        gates = gates + torch.rand(gates.shape, device="cuda") * 1e-3
+    ok, bad = _same_bf16(pools_model(k, gates, ape, starts), compress_pools_bf16(k, gates, ape, starts))
+    assert ok, f"pools={starts.numel()} differing={bad}"
+
+
+def test_model_pools_hard_cases():
+    # NaN and infinite gates, -inf slots everywhere, huge and equal gates, signed zero keys;
+    # and pools whose BF16 probabilities differ between exp / sum and exp * (1 / sum)
+    from sp_kpool.kernels.triton_serving import pools_model
+
+    _, k, gates, ape, starts = _pool_inputs(4096, 128, 4, 11)
+    gates = gates.float()
+    gates[0:4, 0] = float("nan")
+    gates[5, 1] = float("nan")
+    gates[8:12, 2] = float("-inf")
+    gates[13, 3] = float("inf")
+    gates[16:20, 4] = -1e30
+    gates[20:24, 5] = 2.5
+    gates[24:28] = 88.0
+    k[28:32] = 0.0
+    k[32:36] = -0.0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s = torch.randn(1 << 21, 4, generator=g, device="cuda") * 3
+    e = torch.exp(s - s.max(1, keepdim=True).values)
+    den = ((e[:, 0] + e[:, 1]) + e[:, 2]) + e[:, 3]
+    a, b = (e / den[:, None]).bfloat16(), (e * (1 / den[:, None])).bfloat16()
+    picked = s[(a.view(torch.int16) != b.view(torch.int16)).any(1)][:64]
+    assert picked.shape[0] >= 8
+    ok, bad = _same_bf16(pools_model(k, gates, ape, starts), compress_pools_bf16(k, gates, ape, starts))
+    assert ok, f"differing={bad}"
+    # the picked logits in every channel (ape zero: the logits are the gates exactly)
+    n, zero = picked.shape[0], torch.zeros_like(ape)
+    crafted = picked.reshape(-1, 1).expand(-1, 128).contiguous()
+    starts = torch.arange(0, 4 * n, 4, device="cuda")
+    ok, bad = _same_bf16(pools_model(k[: 4 * n], crafted, zero, starts), compress_pools_bf16(k[: 4 * n], crafted, zero, starts))
+    assert ok, f"crafted pools: differing={bad}"
 
 
 def _queries(S, H, D):

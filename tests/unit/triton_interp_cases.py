@@ -1,6 +1,6 @@
-"""The Triton selector, expansion and chunk row-range kernels, run by Triton's CPU
-interpreter, against the exact int64-key Top-K, the torch ``assemble`` and the torch row
-ranges (bit for bit).
+"""The Triton selector, expansion, chunk row-range and model-pooling kernels, run by
+Triton's CPU interpreter, against the exact int64-key Top-K, the torch ``assemble``, the
+torch row ranges and the torch pooling (bit for bit).
 
 Not collected directly (the name does not start with ``test_``):
 ``test_triton_interpreter.py`` runs this file in a child pytest with ``TRITON_INTERPRET=1``,
@@ -16,13 +16,14 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError("run this file with TRITON_INTERPRET=1 (tests/unit/test_triton_interpreter.py does)")
 
-from sp_kpool.pooling import pool_table  # noqa: E402
+from sp_kpool.pooling import compress_pools_bf16, pool_table  # noqa: E402
 from sp_kpool.selection import _ascending, assemble, row_meta, topk_pools  # noqa: E402
 from sp_kpool.testing.triton_interp import interpreted_module  # noqa: E402
 
 tk = interpreted_module("sp_kpool.kernels.triton_topk")
 te = interpreted_module("sp_kpool.kernels.triton_expand")
 tr = interpreted_module("sp_kpool.kernels.triton_ranges")
+ts = interpreted_module("sp_kpool.kernels.triton_serving")
 
 
 def in_range(scores, starts, ends):
@@ -701,3 +702,98 @@ def test_expand_takes_the_unused_slots_first():
     assert torch.equal(got, want)
     assert bool((want[:, 0] == -1).any()) and not torch.equal(
         want, assemble(pools, meta, pts, topk=k * kpool, kpool=kpool, tail="fixed", order="ascending", alignment=8))
+
+
+def cuda_pooling_steps(k, gates, ape, pool_tok_start):
+    """``compress_pools_bf16`` as the CUDA kernels of its torch ops compute it, step by step
+    (the spatial softmax: maximum from FP32's lowest value with ``m < s ? s : m``, sum from
+    0 in slot order, ``exp(s - m) / sum``; the BF16 products; their FP32 sum from 0 in slot
+    order, rounded once): the rule the model-pooling kernel follows, also for NaN and
+    infinite gates, where CPU and CUDA softmax kernels may differ."""
+    K = ape.shape[0]
+    idx = pool_tok_start[:, None] + torch.arange(K)
+    s = [gates[idx[:, j]].float() + ape[j].float() for j in range(K)]
+    m = torch.full_like(s[0], torch.finfo(torch.float32).min)
+    for x in s:
+        m = torch.where(m < x, x, m)
+    den = torch.zeros_like(m)
+    for x in s:
+        den = den + torch.exp(x - m)
+    acc = torch.zeros_like(m)
+    for j, x in enumerate(s):
+        p = (torch.exp(x - m) / den).bfloat16()
+        acc = acc + (p * k[idx[:, j]]).float()
+    return acc.bfloat16()
+
+
+def same_bits(a, b):
+    """Equal bit for bit, NaN payloads aside (torch and the GPU's conversion write
+    different BF16 NaNs)."""
+    a16, b16 = a.view(torch.int16), b.view(torch.int16)
+    return bool(((a16 == b16) | (a.isnan() & b.isnan())).all())
+
+
+def model_pool_inputs(S, D, K, seed, gates_dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(S, D, generator=g).bfloat16()
+    gates = (torch.randn(S, D, generator=g) * 3).to(gates_dtype)
+    ape = torch.randn(K, D, generator=g).bfloat16()
+    # documents whose lengths are not multiples of K: pool starts off the multiples of K
+    starts = pool_table(torch.tensor([0, S // 3 + 1, S // 2, S]), K)[0]
+    return k, gates, ape, starts
+
+
+@pytest.mark.parametrize("S,D,K,gdt", [(4 * 37 + 5, 128, 4, torch.bfloat16), (211, 64, 1, torch.float32),
+                                       (16 * 19 + 3, 64, 16, torch.bfloat16), (4 * 16, 128, 4, torch.float32)])
+def test_model_pools_equal_the_torch_pooling(S, D, K, gdt):
+    k, gates, ape, starts = model_pool_inputs(S, D, K, S, gdt)
+    got = ts.pools_model(k, gates, ape, starts)
+    assert got.dtype == torch.bfloat16 and got.shape == (starts.numel(), D)
+    assert torch.equal(got.view(torch.int16), compress_pools_bf16(k, gates, ape, starts).view(torch.int16))
+    assert torch.equal(got.view(torch.int16), cuda_pooling_steps(k, gates, ape, starts).view(torch.int16))
+
+
+def test_model_pools_nonfinite_gates_zero_keys_and_ties():
+    S, D, K = 4 * 40, 64, 4
+    k, gates, ape, starts = model_pool_inputs(S, D, K, 7)
+    gates[0:4, 0] = float("nan")  # a pool with every slot NaN in channel 0
+    gates[5, 1] = float("nan")  # one NaN slot: never the maximum, the pool's channel NaN
+    gates[8:12, 2] = float("-inf")  # every slot -inf: 0 / 0
+    gates[13, 3] = float("inf")  # inf - inf
+    gates[16:20, 4] = -1e30  # far below: exp underflows except at the maximum
+    gates[20:24, 5] = 2.5  # equal slots: equal probabilities
+    gates[24:28] = 88.0  # large equal gates: exp(0) after the maximum is taken out
+    k[28:32] = 0.0
+    k[32:36] = -0.0  # signed zeros through the products and the sum
+    ape = ape.clone()
+    got = ts.pools_model(k, gates, ape, starts)
+    want = cuda_pooling_steps(k, gates, ape, starts)
+    assert same_bits(got, want)
+    assert bool(got[0, 0].isnan()) and bool(got[1, 1].isnan()) and bool(got[2, 2].isnan())
+    assert not bool(got[:, 6:].isnan().any())
+
+
+def test_model_pools_reject_other_key_dtypes():
+    k, gates, ape, starts = model_pool_inputs(64, 64, 4, 3)
+    with pytest.raises(ValueError, match="k: expected bfloat16"):
+        ts.pools_model(k.float(), gates, ape, starts)
+    assert ts.pools_model(k, gates, ape, starts[:0]).shape == (0, 64)
+
+
+def test_model_pools_divide_as_torch_does():
+    # pools whose BF16 probabilities differ between exp(s - m) / sum and exp(s - m) * (1 /
+    # sum) (about 1 in 10^5 random pools): found by search, planted as FP32 gates
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(1 << 21, 4, generator=g) * 3
+    e = torch.exp(s - s.max(1, keepdim=True).values)
+    den = ((e[:, 0] + e[:, 1]) + e[:, 2]) + e[:, 3]
+    a, b = (e / den[:, None]).bfloat16(), (e * (1 / den[:, None])).bfloat16()
+    picked = s[(a.view(torch.int16) != b.view(torch.int16)).any(1)][:8]
+    assert picked.shape[0] == 8
+    D, K = 64, 4
+    k, _, _, starts = model_pool_inputs(4 * 8, D, K, 5)
+    gates = picked.reshape(-1, 1).expand(-1, D).contiguous()  # slot j of pool i: picked[i, j], every channel
+    starts = torch.arange(0, 4 * 8, 4)
+    got = ts.pools_model(k, gates, torch.zeros(K, D), starts)
+    # (torch's CPU softmax gives other bits on these pools: the CUDA rule is the reference)
+    assert torch.equal(got.view(torch.int16), cuda_pooling_steps(k, gates, torch.zeros(K, D), starts).view(torch.int16))
