@@ -2,19 +2,21 @@
 scorer alone, in one run.
 
     python scripts/bench_budget.py [--cases W,Wrecency,W262k,packed64] [--heads 32,64] [--topk 2048]
-        [--budgets 2048,1024,768,512] [--precisions fp8,bf16] [--out DIR]
+        [--budgets 2048,1024,768,512] [--arms fp8:deepgemm,bf16:triton,bf16:tilelang] [--out DIR]
 
 Cases as ``scripts/bench_fused.py`` (rank 3 of a 4-rank split, D 128, kpool 4), plus
 ``Wrecency``: W with every key scaled by ``1 + 3 t / S`` along the sequence (``t`` the token,
 ``S`` the length), so later pools score higher and the selector's thresholds sit elsewhere
-than on W's random scores. For each case, arithmetic (``fp8``: the deepgemm backend;
-``bf16``: tilelang), H, topk and logits budget (``--budgets``, MiB per scoring chunk): the
-whole call (``sp_kpool.pipeline.solve``, the dense path) by ``triton.testing.do_bench``, its
-peak extra device memory (``torch.cuda.max_memory_allocated`` above what was allocated
-before, the output included), the chunks, and whether its ids equal those of the first
-budget. ``fp8`` at H 32 and 64 also times DeepGEMM ``fp8_mqa_logits`` alone on the same
-prepared inputs (all rows in one call, ``clean_logits=False``) and gives each whole call's
-ratio to it. Writes ``bench_budget.json``.
+than on W's random scores. For each case, arm (``precision:backend``), H, topk and logits
+budget (``--budgets``, MiB per scoring chunk): the whole call (``sp_kpool.pipeline.solve``,
+the dense path) by ``triton.testing.do_bench``, its peak extra device memory
+(``torch.cuda.max_memory_allocated`` above what was allocated before, the output included),
+the chunks, and whether its ids equal those of the first budget; an arm after the first of
+its precision also counts the rows whose ids differ from the first arm's (another scorer
+order: near-ties). The scorer alone on the same prepared inputs (all rows in one call), in
+the same run: ``fp8`` at H 32 and 64 DeepGEMM ``fp8_mqa_logits`` (``clean_logits=False``),
+the BF16 arms the TileLang scorer (``clean=False``, when tilelang is installed); each whole
+call's ratio to it. Writes ``bench_budget.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from sp_kpool.pipeline import solve
 from sp_kpool.testing.bench_timing import do_bench_ms, log, package_versions, save
 from sp_kpool.testing.problems import rank_slice_problem
 
-BACKEND = {"fp8": "deepgemm", "bf16": "tilelang"}
+ARMS = "fp8:deepgemm,bf16:triton,bf16:tilelang"
 
 
 def problem(case: str, precision: str, H: int, topk: int):
@@ -49,44 +51,83 @@ def problem(case: str, precision: str, H: int, topk: int):
     return p
 
 
-def one(case: str, precision: str, H: int, topk: int, budgets: list[int]) -> list[dict]:
-    base = problem(case, precision, H, topk)
-    name = BACKEND[precision]
-    be = BACKENDS[name]
-    out, first = [], None
-    scorer_ms = None
-    if precision == "fp8" and H in be.deepgemm_heads:
+def scorer_alone_ms(base, precision: str):
+    """``(name, ms)`` of the scorer alone on ``base``'s prepared rows (all in one call), or
+    ``(None, None)``: DeepGEMM for ``fp8`` at H 32 / 64, TileLang for the BF16 arms."""
+    from sp_kpool.backends.base import PoolInputs
+    from sp_kpool.plan import plan_chunks
+    from sp_kpool.pooling import pool_table
+
+    if precision == "fp8":
+        if base.heads not in BACKENDS["deepgemm"].deepgemm_heads:
+            return None, None
         import deep_gemm
 
         q8, wq, k8, ks, starts, ends, _ = prepared(base)
-        scorer_ms = do_bench_ms(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends, clean_logits=False))
-        del q8, wq, k8, ks, starts, ends
-    for mib in budgets:
-        p = dataclasses.replace(base, config=dataclasses.replace(base.config, max_logits_bytes=mib * 2**20))
-        r = {"case": case, "precision": precision, "backend": name, "H": H, "topk": topk, "budget_mib": mib,
-             "rows": p.seq.shard_size}  # fmt: skip
-        rows = min(p.seq.shard_end, p.seq.num_real_tokens) - p.seq.shard_start
-        C = scoring_chunk_rows(be, p, num_pools(p.seq, p.kpool))
-        r["chunk_rows"], r["chunks"] = C, math.ceil(rows / C)
-        ids = solve(p, name).ids
-        if first is None:
-            first = ids
-        r["ids_equal_first_budget"] = bool(torch.equal(ids, first))
-        del ids
-        r["whole_ms"] = do_bench_ms(lambda: solve(p, name))
-        r["peak_extra_mib"] = peak_mb(lambda: solve(p, name))
-        if scorer_ms is not None:
-            r["deepgemm_alone_ms"] = scorer_ms
-            r["whole_over_deepgemm"] = r["whole_ms"] / scorer_ms
-        log(r)
-        out.append(r)
+        return "deepgemm", do_bench_ms(lambda: deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends,
+                                                                        clean_logits=False))  # fmt: skip
+    if BACKENDS["tilelang"].not_supported_reasons(base):
+        return None, None
+    from sp_kpool.kernels.tilelang_score import tilelang_scores
+
+    seq = base.seq
+    lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
+    n = hi_row - lo_row
+    plan = plan_chunks(seq, base.kpool, n, lo_row, hi_row, base.device, cache=False)
+    pts = pool_table(seq.real_cu_seq_lens, base.kpool)[0].to(base.device)
+    keys = BACKENDS["tilelang"].prepare(base, PoolInputs(base.k, base.gates, pts), None)[0].keys
+    keys = keys[plan.chunks[0].pool_lo :]
+    wq = base.head_weights[:n].float() * (base.heads**-0.5 * base.head_dim**-0.5)
+    starts, ends = plan.ranges[0, :n], plan.ranges[1, :n]
+    return "tilelang", do_bench_ms(lambda: tilelang_scores(base.q[:n], wq, keys, starts, ends, clean=False))
+
+
+def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list[int]) -> list[dict]:
+    out, first_of = [], {}
+    for precision, name in arms:
+        base = problem(case, precision, H, topk)
+        be = BACKENDS[name]
+        why = be.not_supported_reasons(base)
+        if why:
+            r = {"case": case, "precision": precision, "backend": name, "H": H, "topk": topk, "skipped": why}
+            log(r)
+            out.append(r)
+            continue
+        scorer, scorer_ms = scorer_alone_ms(base, precision)
+        first = None
+        for mib in budgets:
+            p = dataclasses.replace(base, config=dataclasses.replace(base.config, max_logits_bytes=mib * 2**20))
+            r = {"case": case, "precision": precision, "backend": name, "H": H, "topk": topk, "budget_mib": mib,
+                 "rows": p.seq.shard_size}  # fmt: skip
+            rows = min(p.seq.shard_end, p.seq.num_real_tokens) - p.seq.shard_start
+            C = scoring_chunk_rows(be, p, num_pools(p.seq, p.kpool))
+            r["chunk_rows"], r["chunks"] = C, math.ceil(rows / C)
+            ids = solve(p, name).ids
+            if first is None:
+                first = ids
+                if precision in first_of:  # another backend of this arithmetic ran first
+                    other, ids0 = first_of[precision]
+                    r[f"rows_differing_from_{other}"] = int((ids.sort(1).values != ids0.sort(1).values).any(1).sum())
+                else:
+                    first_of[precision] = (name, ids)
+            r["ids_equal_first_budget"] = bool(torch.equal(ids, first))
+            del ids
+            r["whole_ms"] = do_bench_ms(lambda: solve(p, name))
+            r["peak_extra_mib"] = peak_mb(lambda: solve(p, name))
+            if scorer_ms is not None:
+                r[f"{scorer}_alone_ms"] = scorer_ms
+                r[f"whole_over_{scorer}"] = r["whole_ms"] / scorer_ms
+            log(r)
+            out.append(r)
+        del first, base
+        torch.cuda.empty_cache()
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="W,Wrecency,W262k,packed64")
-    ap.add_argument("--precisions", default="fp8,bf16")
+    ap.add_argument("--arms", default=ARMS, help="precision:backend pairs")
     ap.add_argument("--heads", default="32,64")
     ap.add_argument("--topk", default="2048")
     ap.add_argument("--budgets", default="2048,1024,768,512", help="logits budgets in MiB, the first the reference")
@@ -95,19 +136,19 @@ def main():
     budgets = [int(b) for b in args.budgets.split(",")]
     doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
+    arms = [tuple(a.split(":")) for a in args.arms.split(",")]
     for case in args.cases.split(","):
-        for precision in args.precisions.split(","):
-            for topk in map(int, args.topk.split(",")):
-                for H in map(int, args.heads.split(",")):
-                    try:
-                        doc["results"] += one(case, precision, H, topk, budgets)
-                    except Exception as exc:  # record and go on: one unsupported shape must not lose the rest
-                        r = {"case": case, "precision": precision, "H": H, "topk": topk,
-                             "error": f"{type(exc).__name__}: {exc}"[:600]}  # fmt: skip
-                        log(r)
-                        doc["results"].append(r)
-                    save(doc, args.out, "bench_budget.json")
-                    torch.cuda.empty_cache()
+        for topk in map(int, args.topk.split(",")):
+            for H in map(int, args.heads.split(",")):
+                try:
+                    doc["results"] += one(case, arms, H, topk, budgets)
+                except Exception as exc:  # record and go on: one unsupported shape must not lose the rest
+                    r = {"case": case, "arms": args.arms, "H": H, "topk": topk,
+                         "error": f"{type(exc).__name__}: {exc}"[:600]}  # fmt: skip
+                    log(r)
+                    doc["results"].append(r)
+                save(doc, args.out, "bench_budget.json")
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def sweep(H: int, configs: list[dict], caps: list[tuple[int, int]], k: int = 512
             got = ff.score_select(q8, wq, k8, ks, starts, ends, k, dense=True, **cfg)
             r["bitwise_deepgemm"] = bool(torch.equal(got[vis].view(torch.int32), ref_bits))
             del got
-            kern = ff.compiled[(H, cfg["block_q"], cfg["block_p"], True, cfg["one_dot"])]
+            kern = ff.compiled[(H, cfg["block_q"], cfg["block_p"], True, cfg["one_dot"], torch.float8_e4m3fn)]
             r["regs"], r["spills"] = kern.n_regs, kern.n_spills
             ptx = kern.asm["ptx"]
             r["wgmma"] = "wgmma.mma_async" in ptx and "mma.sync" not in ptx.replace("wgmma.mma_async.sync", "")

@@ -586,17 +586,19 @@ for _s in (_Int64Keys(), _Fp32Candidates(), _Radix(), _Triton(), _Serving()):
     register(_s)
 
 
-class _TritonFp8Fused(FusedSelector):
-    """:mod:`sp_kpool.kernels.triton_fp8_fused` for the ``deepgemm`` backend's prepared pools
-    and queries: off unless ``Settings.fused`` (``SP_KPOOL_FUSED=1``) until it is measured
-    faster than DeepGEMM plus the Triton selector."""
+class _TritonFused(FusedSelector):
+    """:mod:`sp_kpool.kernels.triton_fp8_fused` for the prepared pools and queries of the
+    ``deepgemm`` backend (FP8) and of the ``triton`` backend (BF16): off unless
+    ``Settings.fused`` (``SP_KPOOL_FUSED=1``) until it is measured faster than the scorer plus
+    the Triton selector."""
 
-    name = "triton-fp8-fused"
+    name = "triton-fused"
     priority = 10
-    summary = ("FP8 scores with DeepGEMM's per-logit arithmetic and a streaming exact Top-K in one Triton kernel, "
-               "logits never stored (deepgemm backend, order 'ascending'; opt-in: SP_KPOOL_FUSED=1)")  # fmt: skip
-    backends = ("deepgemm",)
-    precisions = ("fp8",)
+    summary = ("the Triton scorer (DeepGEMM's per-logit arithmetic; FP8 or BF16) and a streaming exact Top-K in one "
+               "kernel, logits never stored (deepgemm and triton backends, order 'ascending'; opt-in: "
+               "SP_KPOOL_FUSED=1)")  # fmt: skip
+    backends = ("deepgemm", "triton")
+    precisions = ("fp8", "bf16", "bf16-serving")
 
     def static_reasons(self, device) -> list[str]:
         why = [] if device.type == "cuda" else [f"needs CUDA, got {device}"]
@@ -623,12 +625,12 @@ class _TritonFp8Fused(FusedSelector):
         from .kernels.triton_fp8_fused import score_select
 
         c = call.chunk
+        scales = None if pools.scales is None else pools.scales[c.pool_lo : c.pool_hi]  # (BF16: none)
         _, emitted = score_select(
-            call.q, call.w, pools.keys[c.pool_lo : c.pool_hi], pools.scales[c.pool_lo : c.pool_hi], call.starts,
-            call.ends, problem.topk // problem.kpool, rows=(call.a - c.first, call.b - c.first), pool_base=c.pool_lo,
-            out=out,
+            call.q, call.w, pools.keys[c.pool_lo : c.pool_hi], scales, call.starts, call.ends,
+            problem.topk // problem.kpool, rows=(call.a - c.first, call.b - c.first), pool_base=c.pool_lo, out=out,
         )  # fmt: skip
         return {"candidates": emitted.sum(), "candidates_max": emitted.max(), "overflow_rows": 0}
 
 
-register(_TritonFp8Fused())
+register(_TritonFused())

@@ -16,11 +16,12 @@ from .base import Backend, Problem
 from .deepgemm_backend import DeepGemmBackend
 from .tilelang_backend import TileLangBackend
 from .torch_backend import TorchBackend
+from .triton_backend import TritonBackend
 
 __all__ = ["Backend", "Problem", "BACKENDS", "resolve_backend", "backend_names"]
 
 # the registry (sp_kpool.registry, where RunOptions reads the names) filled with the built-in backends
-BACKENDS.update((b.name, b) for b in (TorchBackend(), TileLangBackend(), DeepGemmBackend()))
+BACKENDS.update((b.name, b) for b in (TorchBackend(), TileLangBackend(), TritonBackend(), DeepGemmBackend()))
 _warned: set = set()
 
 

@@ -30,6 +30,7 @@ from ..selectors import reads_row_ranges_only
 from . import deepgemm_api
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs, round_rows
 from .deepgemm_logits import logits_bytes, logits_chunk_rows
+from .triton_backend import score_triton
 
 __all__ = ["DeepGemmBackend", "mqa_api"]
 
@@ -143,7 +144,7 @@ class DeepGemmBackend(Backend):
     def score(self, problem, pools, q8, wq, lo, hi, starts, ends) -> ChunkScores:
         k8, k_scale = pools.keys, pools.scales
         if problem.heads not in self.deepgemm_heads:
-            return _score_triton(problem, q8, wq, k8[lo:hi], k_scale[lo:hi], starts, ends)
+            return score_triton(problem, q8, wq, k8[lo:hi], k_scale[lo:hi], starts, ends, self.name)
         fn, _ = mqa_api()
         layout, a = self._layout_args(problem)
         # the kernel's TMA wants 16-byte aligned scale pointers: start the kv slice at a
@@ -179,20 +180,3 @@ class DeepGemmBackend(Backend):
             cols = torch.arange(width, device=q8.device)
             scores = scores.masked_fill(cols[None] >= lens[:, None], -float("inf"))
         return ChunkScores(scores, col_offset=starts.to(torch.int64), masked=True)
-
-
-def _score_triton(problem, q8, wq, k8, k_scale, starts, ends) -> ChunkScores:
-    """The chunk's logits by the dense mode of :mod:`sp_kpool.kernels.triton_fp8_fused`
-    (DeepGEMM's arithmetic; the heads DeepGEMM does not take): ``[C, n]`` FP32, column ``c``
-    pool ``lo + c``; cells outside each row's range ``-inf`` where a reader needs it, else
-    unwritten (as ``fp8_mqa_logits`` without ``clean_logits``)."""
-    from ..kernels.triton_fp8_fused import score_select
-
-    n = k8.shape[0]
-    clean = not reads_row_ranges_only(problem.topk // problem.kpool, n, problem.order)
-    logits = score_select(q8, wq, k8, k_scale, starts, ends, 1, dense=True, fill=float("-inf") if clean else None)
-    have = logits.untyped_storage().nbytes()
-    if have > problem.max_logits_bytes:
-        raise RuntimeError(f"deepgemm: logits storage {have} bytes exceeds the budget {problem.max_logits_bytes} "
-                           f"({q8.shape[0]} rows x {n} columns, Triton scorer)")  # fmt: skip
-    return ChunkScores(logits, masked=True)

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import serving
 from .._probe import cuda_reason, probe
-from ..pooling import compress_pools_bf16
 from ..selectors import reads_row_ranges_only
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
+from .triton_backend import bf16_pools
 
 __all__ = ["TileLangBackend"]
 
@@ -54,26 +53,9 @@ class TileLangBackend(Backend):
         return reasons
 
     def prepare(self, problem: Problem, pools: PoolInputs | None, queries: QueryInputs | None):
-        """Pools on the GPU (``bf16``: the model arithmetic, ``bf16-serving``: serving's; each a
-        Triton kernel bitwise equal to its torch ops, or those ops without Triton); queries
-        as given."""
-        pooled = None
-        if pools is not None:
-            args = (pools.k, pools.gates, problem.ape, pools.pool_tok_start)
-            triton = probe("triton")[0] is not None
-            if problem.precision == "bf16":  # the model definition: one order, no schedule
-                if triton and pools.k.dtype == torch.bfloat16:
-                    from ..kernels.triton_serving import pools_model
-
-                    pooled = Pools(pools_model(*args))
-                else:
-                    pooled = Pools(compress_pools_bf16(*args))
-            elif triton:
-                from ..kernels.triton_serving import pools_serving
-
-                pooled = Pools(pools_serving(*args, fp8=False, extend=pools.extend))
-            else:
-                pooled = Pools(serving.prepare_pools_bf16_serving(*args, pools.extend))
+        """Pools by :func:`~sp_kpool.backends.triton_backend.bf16_pools` (Triton kernels bitwise
+        equal to their torch ops, or those ops without Triton); queries as given."""
+        pooled = None if pools is None else bf16_pools(problem, pools)
         return pooled, None if queries is None else Queries(queries.q, queries.w, queries.row)
 
     def score_bytes_per_cell(self, problem: Problem) -> int:

@@ -1,4 +1,5 @@
-"""FP8 scoring with DeepGEMM's per-logit arithmetic, fused with the exact Top-K (Triton).
+"""FP8 scoring with DeepGEMM's per-logit arithmetic, fused with the exact Top-K (Triton); the
+same kernel on BF16 queries and keys (the ``triton`` backend's scorer).
 
 :func:`score_select` scores query rows against pools with the arithmetic of DeepGEMM's SM90
 ``fp8_mqa_logits`` (contract §6) and either stores the logits (``dense=True``: the bitwise
@@ -16,6 +17,12 @@ folded FP32 head weight; ``s`` the pool's FP32 scale)::
             m = 2 .. H/8 - 1 in order                       (eight chains, j = 0..7)
     P_q   = RN(RN(c_{2q} + c_{2q+1}) * s)                    (q = 0..3)
     logit = RN(RN(P_0 + P_1) + RN(P_2 + P_3))
+
+**BF16.** Given ``bfloat16`` queries and pools and no scales (``k_scale=None``), ``a_h`` is
+the BF16 tensor-core product over the 128 channels (exact products, FP32 accumulation, in
+the order of the instruction) and the formula runs without ``s``: ``P_q = RN(c_{2q} +
+c_{2q+1})``, what a scale of 1.0 gives. The BF16 modes' score (contract §3) up to FP32
+rounding, by a fixed order that depends on nothing but the row, the pool and the heads.
 
 The heads of one chain step ``m`` of ``BQ`` rows are the ``N = 8 BQ`` columns of one
 ``tl.dot`` (``[BP, 128] x [128, N]``), so every step is one dot and no accumulator is split.
@@ -59,8 +66,8 @@ __all__ = ["score_select", "scores_probe", "supports", "capacity"]
 #: Pools per block (the ``M`` of each dot; a multiple of 64 for wgmma).
 BLOCK_P = 64
 
-#: The last compiled kernel of each ``(H, block_q, block_p, dense, one_dot)`` launched (its ``asm``
-#: holds the PTX the tests check for ``wgmma`` and no ``mma.sync``).
+#: The last compiled kernel of each ``(H, block_q, block_p, dense, one_dot, query dtype)`` launched
+#: (its ``asm`` holds the PTX the tests check for ``wgmma`` and no ``mma.sync``).
 compiled: dict = {}
 
 
@@ -219,7 +226,7 @@ def _compact(bk, bi, n, k, CAP: tl.constexpr):
 def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Logits, sl_r, Out, so_r, BufK, BufI,
                   Cnt, Emitted, k, pool_base, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
                   CAP: tl.constexpr, KP: tl.constexpr, DENSE: tl.constexpr, ONE_DOT: tl.constexpr,
-                  CHECK: tl.constexpr, SCAN: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
+                  CHECK: tl.constexpr, SCAN: tl.constexpr, STORE: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
     MINK: tl.constexpr = -2147483648
     N: tl.constexpr = BQ * 8
     pid = tl.program_id(0)
@@ -262,7 +269,8 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
             p = p0 + bp
             pm = (p >= lo) & (p < hi)
             kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
-            scale = tl.load(KS + p, mask=pm, other=0.0)
+            if SCALED:
+                scale = tl.load(KS + p, mask=pm, other=0.0)
             if ONE_DOT:
                 acc = tl.dot(kv, qt)  # [BP, BQ H]
                 acc = tl.permute(tl.reshape(acc, [BP, BQ, H // 8, 4, 2]), [0, 1, 3, 4, 2])  # [BP, BQ, 4, 2, NM]
@@ -284,7 +292,10 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
                     c = tl.fma(tl.where(am > 0, am, 0.0), wm[None, :], c)
             # j = 2 q + b: the pairs of chains, the scale, the butterfly (P0 + P1) + (P2 + P3)
             c0, c1 = tl.split(tl.reshape(c, [BP, BQ, 4, 2]))
-            part = (c0 + c1) * scale[:, None, None]
+            if SCALED:
+                part = (c0 + c1) * scale[:, None, None]
+            else:  # no pool scale (BF16): what a scale of 1.0 gives, bit for bit
+                part = c0 + c1
             pa, pb = tl.split(tl.reshape(part, [BP, BQ, 2, 2]))
             x, y = tl.split(pa + pb)
             logit = x + y  # [BP, BQ]
@@ -344,17 +355,18 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
                 tl.store(Emitted + (row - row0), ci + tl.sum(tl.where(iq == i, dropped, 0)))
 
 
-def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, starts: torch.Tensor,
-                 ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None, pool_base: int = 0,
-                 dense: bool = False, fill: float | None = float("nan"), out: torch.Tensor | None = None,
-                 block_q: int | None = None, block_p: int = BLOCK_P, num_warps: int = 4,
-                 num_stages: int = 3, one_dot: bool | None = None,
+def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor | None,
+                 starts: torch.Tensor, ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None,
+                 pool_base: int = 0, dense: bool = False, fill: float | None = float("nan"),
+                 out: torch.Tensor | None = None, block_q: int | None = None, block_p: int = BLOCK_P,
+                 num_warps: int = 4, num_stages: int | None = None, one_dot: bool | None = None,
                  cap: int | None = None, check: int = CHECK, slots: str = SLOTS):  # fmt: skip
     """Scores (``dense``) or selected pools of query rows against pools, DeepGEMM's arithmetic.
 
     Args:
         q8: ``[C, H, 128]`` ``float8_e4m3fn`` prepared queries; w: ``[C, H]`` float32 folded
             head weights; k8: ``[P, 128]`` ``float8_e4m3fn`` pools; k_scale: ``[P]`` float32.
+            Or BF16: ``q8`` and ``k8`` ``bfloat16``, ``k_scale`` ``None`` (no pool scale).
         starts, ends: ``[C]`` int32, each row's visible pools ``[starts, ends)`` (of ``k8``).
         k: pools to select per row (``topk // kpool``, at most 2048).
         rows: the rows ``[a, b)`` to compute (default all ``C``).
@@ -364,7 +376,7 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
         out: optional ``[b - a, k]`` int32 destination of the selection (written whole).
         block_q, block_p, num_warps, num_stages: launch shape (``block_q`` rows per program,
             default ``max(2, 128 / H)`` with ``one_dot``, else 4; ``block_p`` pools per block, a
-            multiple of 64).
+            multiple of 64; ``num_stages`` default :data:`STAGES` of the input dtype).
         one_dot: one ``[block_p, 128] x [128, block_q H]`` dot per block (the default for the
             heads of :data:`ONE_DOT_HEADS`) or one ``[block_p, 128] x [128, 8 block_q]`` dot
             per chain step.
@@ -382,6 +394,7 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
     """
     C, H, D = q8.shape
     one_dot, block_q = _shape("score_select", H, D, k, one_dot, block_q)
+    num_stages = num_stages or _stages(q8, k8, k_scale)
     if slots not in ("scan", "atomic"):
         raise ValueError(f"slots: expected 'scan' or 'atomic', got {slots!r}")
     a, b = rows if rows is not None else (0, C)
@@ -421,13 +434,32 @@ def scores_probe(q8, w, k8, k_scale, starts, ends, **launch) -> torch.Tensor:
     ``num_stages``, ``one_dot`` as :func:`score_select`."""
     C, H, D = q8.shape
     one_dot, block_q = _shape("scores_probe", H, D, 1, launch.get("one_dot"), launch.get("block_q"))
+    stages = launch.get("num_stages") or _stages(q8, k8, k_scale)
     block_p = launch.get("block_p", BLOCK_P)
     out = torch.empty((C, 1), dtype=torch.float32, device=q8.device)
     dummy = torch.empty(1, dtype=torch.int32, device=q8.device)
     _launch((max(1, triton.cdiv(C, block_q)),), q8, w, k8, k_scale, starts, ends, 0, C, out, dummy, dummy, dummy, dummy,
             dummy, 1, 0, H, D, block_q, block_p, capacity(1, block_p), 1, True, launch.get("num_warps", 4),
-            launch.get("num_stages", 3), one_dot, CHECK, True, False)  # fmt: skip
+            stages, one_dot, CHECK, True, False)  # fmt: skip
     return out[:, 0]
+
+
+#: Pipeline stages of the pool loads by input dtype. On an H200 (2026-12-04, W: 32768 rows x
+#: 32768 pools, the dense mode): FP8 3 (the sweep of 7d34d18); BF16 at H 32 2 / 3 / 4 stages
+#: 14.7 / 15.6 / 15.4 ms, at H 64 28.2 / 28.8 / 29.6 ms (8 warps, or 128-pool blocks: slower).
+STAGES = {torch.float8_e4m3fn: 3, torch.bfloat16: 2}
+
+
+def _stages(q8, k8, k_scale) -> int:
+    """The default ``num_stages`` of the inputs' dtype, the dtypes checked: FP8 queries and
+    pools with scales, or BF16 queries and pools without."""
+    fp8 = q8.dtype == torch.float8_e4m3fn and k8.dtype == torch.float8_e4m3fn and k_scale is not None
+    bf16 = q8.dtype == torch.bfloat16 and k8.dtype == torch.bfloat16 and k_scale is None
+    if not (fp8 or bf16):
+        raise ValueError(f"q8, k8, k_scale: expected float8_e4m3fn queries and pools with float32 scales, or bfloat16 "
+                         f"ones and k_scale=None, got {q8.dtype}, {k8.dtype}, "
+                         f"{None if k_scale is None else k_scale.dtype}")  # fmt: skip
+    return STAGES[q8.dtype]
 
 
 def _shape(caller: str, H: int, D: int, k: int, one_dot: bool | None, block_q: int | None) -> tuple[bool, int]:
@@ -449,11 +481,11 @@ def _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, out, buf_k, b
     if cap < k + check * block_p:
         raise ValueError(f"cap: expected at least k + check * block_p = {k + check * block_p}, got {cap}")
     kernel = _fused_kernel[grid](
-        q8, q8.stride(0), q8.stride(1), w, w.stride(0), k8, k_scale, starts, ends, a, nr,
+        q8, q8.stride(0), q8.stride(1), w, w.stride(0), k8, k8 if k_scale is None else k_scale, starts, ends, a, nr,
         logits, logits.stride(0), out, out.stride(0), buf_k, buf_i, counts, emitted, k, pool_base,
         H=H, D=D, BQ=block_q, BP=block_p, CAP=cap, KP=kp, DENSE=dense, ONE_DOT=one_dot, CHECK=check, SCAN=scan,
-        STORE=store, num_warps=num_warps, num_stages=num_stages,
+        STORE=store, SCALED=k_scale is not None, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False,
     )  # fmt: skip
     if store:  # (not the stores-free probe)
-        compiled[(H, block_q, block_p, dense, one_dot)] = kernel
+        compiled[(H, block_q, block_p, dense, one_dot, q8.dtype)] = kernel

@@ -323,8 +323,9 @@ def _kernels():
         # compute it: the FP32 slot softmax of the spatial softmax kernel (the maximum from
         # FP32's lowest value, `m < s ? s : m`, so NaN never wins; the sum from 0 in slot
         # order; `exp(s - m) / sum`), the BF16 probabilities times the BF16 keys rounded to
-        # BF16 (the FP32 product is exact), their sum in FP32 from 0 in slot order (the
-        # reduction kernel's four accumulators combined in order give the same bits) rounded
+        # BF16 (the FP32 product is exact), their FP32 sum as the reduction kernel takes it
+        # (four accumulators from 0, slot j into accumulator j % 4 in slot order, combined
+        # ((a0 + a1) + a2) + a3; for K <= 4 the same bits as one sum in slot order) rounded
         # to BF16 once
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         rmask = rows < P
@@ -340,13 +341,25 @@ def _kernels():
             g = tl.load(g_ptr + (base + j)[:, None] * stride_g + cols[None, :], mask=rmask[:, None], other=0.0)
             s = add_rn(g.to(tl.float32), tl.load(ape_ptr + j * D + cols).to(tl.float32)[None, :])
             den = add_rn(den, libdevice.exp(add_rn(s, -m)))
-        acc = tl.zeros((BLOCK, D), tl.float32)
+        a0 = tl.zeros((BLOCK, D), tl.float32)
+        a1 = tl.zeros((BLOCK, D), tl.float32)
+        a2 = tl.zeros((BLOCK, D), tl.float32)
+        a3 = tl.zeros((BLOCK, D), tl.float32)
         for j in tl.static_range(K):
             g = tl.load(g_ptr + (base + j)[:, None] * stride_g + cols[None, :], mask=rmask[:, None], other=0.0)
             s = add_rn(g.to(tl.float32), tl.load(ape_ptr + j * D + cols).to(tl.float32)[None, :])
             p = tl.math.div_rn(libdevice.exp(add_rn(s, -m)), den).to(tl.bfloat16).to(tl.float32)
             kv = tl.load(k_ptr + (base + j)[:, None] * stride_k + cols[None, :], mask=rmask[:, None], other=0.0)
-            acc = add_rn(acc, mul_rn(p, kv.to(tl.float32)).to(tl.bfloat16).to(tl.float32))
+            x = mul_rn(p, kv.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+            if j % 4 == 0:
+                a0 = add_rn(a0, x)
+            elif j % 4 == 1:
+                a1 = add_rn(a1, x)
+            elif j % 4 == 2:
+                a2 = add_rn(a2, x)
+            else:
+                a3 = add_rn(a3, x)
+        acc = add_rn(add_rn(add_rn(a0, a1), a2), a3)
         tl.store(out_ptr + rows[:, None] * D + cols[None, :], acc.to(tl.bfloat16), mask=rmask[:, None])
 
     return pool_kernel, query_kernel, query_kernel_128, prepare_fp8_kernel, model_pool_kernel

@@ -1,6 +1,6 @@
 """CPU stand-ins for the GPU kernels, so the GPU backends' host code runs in CPU tests.
 
-The ``deepgemm`` and ``tilelang`` backends hold host logic that no CPU test reached: chunk
+The ``deepgemm``, ``tilelang`` and ``triton`` backends hold host logic that no CPU test reached: chunk
 planning from the logits budget, row padding to ``128 / H``, DeepGEMM's legacy / compact
 column handling and the kv shift by ``lo % 4``, the storage-budget check, argument
 marshalling and the selector's launch rules. :func:`install` replaces only what needs a
@@ -16,8 +16,9 @@ GPU, and nothing else:
   function's contract in torch;
 * the probes (``cuda_reason``, ``probe("deep_gemm" | "tilelang")``) and the choice of the
   GPU path (:func:`sp_kpool._device.on_gpu`);
-* the Triton kernels (pools, queries, ``prepare_fp8``, ranges, selector, expansion) are
-  the real ones, run by Triton's CPU interpreter
+* the Triton kernels (pools, queries, ``prepare_fp8``, ranges, selector, expansion, the
+  scorer of the ``triton`` backend and of ``deepgemm`` at H 128) are the real ones, run by
+  Triton's CPU interpreter
   (:func:`sp_kpool.testing.triton_interp.interpreted_module`).
 
 Triton reads ``TRITON_INTERPRET`` when it is first imported, so the process must set
@@ -234,7 +235,7 @@ def install(monkeypatch, *, layout: str | None = None, api: str = "fp8", legacy_
     torch-backend references before installing.
     """
     from .. import _device, selectors
-    from ..backends import deepgemm_backend as dgb, tilelang_backend as tlb
+    from ..backends import deepgemm_backend as dgb, tilelang_backend as tlb, triton_backend as trb
     from ..kernels import tilelang_score
     from ..settings import Settings
     from .triton_interp import interpreted_module
@@ -252,7 +253,7 @@ def install(monkeypatch, *, layout: str | None = None, api: str = "fp8", legacy_
     def probe(module):
         return (fakes[module], None) if module in fakes else real_probe(module)
 
-    for mod in (dgb, tlb):
+    for mod in (dgb, tlb, trb):
         monkeypatch.setattr(mod, "probe", probe)
         monkeypatch.setattr(mod, "cuda_reason", lambda device: None)
     monkeypatch.setattr(_device, "on_gpu", lambda device: True)

@@ -15,8 +15,9 @@ return ``None`` in the interpreter; the kernels' ``libdevice`` is replaced, in t
 rewritten source only, by torch's CPU ``exp`` on FP32: the function that
 :mod:`sp_kpool.serving` calls on CPU, so the kernels stay bitwise comparable to it there;
 the GPU's ``expf`` itself is not what is checked), and FP32 -> BF16 / E4M3 conversions
-that round to nearest even as the GPU's do (the interpreter truncates to BF16). Anything
-else behaves as before.
+that round to nearest even as the GPU's do (the interpreter truncates to BF16), and
+``tl.dot`` of BF16 operands (the interpreter multiplied their uint16 storage; here FP32
+values, summed in NumPy's order). Anything else behaves as before.
 """
 
 from __future__ import annotations
@@ -119,6 +120,20 @@ def _patch_serving_ops():
 
     type(builder).cast_impl = cast_impl
     type(builder).create_fp_to_fp = create_fp_to_fp
+
+    # tl.dot of BF16 operands: the interpreter stores BF16 as uint16 and multiplies those
+    # integers; widen them to FP32 first (the products are exact; the sum is NumPy's FP32
+    # matmul, not the tensor core's order)
+    dot_orig = type(builder).create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if interp.tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+            return dot_orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+        wide = [(np.ascontiguousarray(x.data).astype(np.uint32) << 16).view(np.float32)
+                if x.dtype.scalar == interp.tl.bfloat16 else np.asarray(x.data, dtype=np.float32) for x in (a, b)]
+        return interp.TensorHandle(np.matmul(wide[0], wide[1], dtype=np.float32) + d.data, d.dtype.scalar)
+
+    type(builder).create_dot = create_dot
 
     rewriter = interp.FunctionRewriter
     exec_orig = rewriter._compile_and_exec

@@ -66,7 +66,7 @@ def test_dense_logits_are_deepgemms_bit_for_bit(H, bq, one_dot, case):
     a, b = got[vis].view(torch.int32), ref[:, :P][vis].view(torch.int32)
     bad = int((a != b).sum())
     assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[:, :P][vis][a != b][:4]}"
-    ptx = ff.compiled[(H, bq, ff.BLOCK_P, True, one_dot)].asm["ptx"]
+    ptx = ff.compiled[(H, bq, ff.BLOCK_P, True, one_dot, torch.float8_e4m3fn)].asm["ptx"]
     assert "wgmma.mma_async.sync.aligned" in ptx and "e4m3.e4m3" in ptx and "mma.sync" not in ptx.replace(
         "wgmma.mma_async.sync", "")  # fmt: skip
 
@@ -91,7 +91,7 @@ def test_fused_selection_equals_dense_plus_exact_selector(H, k):
     for slots in ("scan", "atomic"):  # both ways of taking buffer slots: the same ids and counts
         got2, emitted2 = ff.score_select(q8, w, k8, scale, starts, ends, k, slots=slots)
         assert torch.equal(got2, want) and torch.equal(emitted2, emitted), slots
-    ptx = ff.compiled[(H, max(2, 128 // H), ff.BLOCK_P, False, True)].asm["ptx"]  # the default launch
+    ptx = ff.compiled[(H, max(2, 128 // H), ff.BLOCK_P, False, True, torch.float8_e4m3fn)].asm["ptx"]  # the default launch
     assert "wgmma.mma_async.sync.aligned" in ptx
 
 
@@ -118,7 +118,7 @@ def test_h128_logits_extend_deepgemms_chains(first, case, bq, one_dot):
     bad = int((a != b).sum())
     assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[vis][a != b][:4]}"
     assert int((got[vis] != 0).sum()) > a.numel() // 4  # not a plateau of zeros everywhere
-    ptx = ff.compiled[(128, bq, ff.BLOCK_P, True, one_dot)].asm["ptx"]
+    ptx = ff.compiled[(128, bq, ff.BLOCK_P, True, one_dot, torch.float8_e4m3fn)].asm["ptx"]
     assert "wgmma.mma_async.sync.aligned" in ptx and "mma.sync" not in ptx.replace("wgmma.mma_async.sync", "")
 
 
@@ -154,7 +154,7 @@ def test_whole_call_fused_equals_dense_path(H, case, topk):
     want = solve(dataclasses.replace(p, settings=Settings(fused=False)), "deepgemm").ids
     pf, record = dataclasses.replace(p, settings=Settings(fused=True)), RunRecord()
     got = solve(pf, "deepgemm", record).ids
-    assert record.counters.get("selector") == "triton-fp8-fused", record.counters
+    assert record.counters.get("selector") == "triton-fused", record.counters
     assert torch.equal(got, want)
     for _ in range(3):
         assert torch.equal(solve(pf, "deepgemm").ids, got)

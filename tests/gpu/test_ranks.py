@@ -1,7 +1,7 @@
 """Every rank of a 2/3/4/8-rank split, computed in this process (the gather replaced by the
 padded global keys), equals world size 1 bit for bit, per GPU backend arm (gpu_check
-section ``ranks``; ``-k tilelang`` / ``-k deepgemm`` runs one backend, as its
-``--ranks-backends`` did)."""
+section ``ranks``; ``-k tilelang`` / ``-k triton`` / ``-k deepgemm`` runs one backend, as
+its ``--ranks-backends`` did)."""
 
 import dataclasses
 
@@ -14,9 +14,10 @@ from sp_kpool.testing.problems import rank_slice_problem
 
 pytestmark = pytest.mark.xdist_group("gpu")
 LENGTHS = [3001, 1, 2, 5000, 4095]
-NEEDS = {"tilelang": ("tilelang",), "deepgemm": ("deep_gemm", "triton")}
+NEEDS = {"tilelang": ("tilelang",), "deepgemm": ("deep_gemm", "triton"), "triton": ("triton",)}
 ARMS = [pytest.param(name, precision, H, D, marks=pytest.mark.requires(*NEEDS[name]), id=f"{name}-{precision}-H{H}")
         for name, precision, H, D in (("tilelang", "bf16", 64, 128), ("tilelang", "bf16-serving", 32, 128),
+                                      ("triton", "bf16", 32, 128), ("triton", "bf16-serving", 64, 128),
                                       ("deepgemm", "fp8", 64, 128), ("deepgemm", "fp8", 32, 128))]  # fmt: skip
 
 

@@ -1,7 +1,7 @@
-"""The GPU backends' host code on CPU: ``deepgemm`` and ``tilelang`` with the kernels they
-launch replaced by :mod:`sp_kpool.testing.standins` (DeepGEMM, TileLang) or run by Triton's
-CPU interpreter (pools, queries, ranges, selector, expansion), against the torch backend,
-bit for bit.
+"""The GPU backends' host code on CPU: ``deepgemm``, ``tilelang`` and ``triton`` with the
+kernels they launch replaced by :mod:`sp_kpool.testing.standins` (DeepGEMM, TileLang) or run
+by Triton's CPU interpreter (pools, queries, ranges, scorer, selector, expansion), against
+the torch backend, bit for bit.
 
 Not collected directly (the name does not start with ``test_``):
 ``test_gpu_host_cpu.py`` runs this file in a child pytest with ``TRITON_INTERPRET=1``.
@@ -130,8 +130,8 @@ def test_deepgemm_h128_scores_with_the_triton_kernel(monkeypatch, world, tail, o
 
     x = make_inputs(LENGTHS, heads=128, head_dim=128, kpool=K, seed=11 + world, dtype=torch.bfloat16)
     called = []
-    real = dgb._score_triton
-    monkeypatch.setattr(dgb, "_score_triton", lambda *a: called.append(1) or real(*a))
+    real = dgb.score_triton
+    monkeypatch.setattr(dgb, "score_triton", lambda *a: called.append(1) or real(*a))
     budget = 5 * 9 * 4  # 5-row chunks of at most 9 pools
     ref, got = both(monkeypatch, x, world, "deepgemm", "fp8", budget, dict(triton_selector=selector),
                     tail=tail, order=order)  # fmt: skip
@@ -217,3 +217,66 @@ def test_tilelang_host_function_matches_contract(monkeypatch):
         assert torch.equal(got[inside], want[inside])
         if clean:
             assert torch.equal(got, want)
+
+
+# the triton backend (BF16 modes): its scorer run by the interpreter (the dot's sum is NumPy's,
+# not the tensor core's: exact inputs make every order give the same bits; random ones pick
+# 2 of at most 9 pools, no near-ties), its pools by the interpreted pooling kernels
+TR_CASES = [
+    ("bf16", 32, 1, "fixed", "ascending", True, True),
+    ("bf16-serving", 32, 3, "compact", "score", True, True),
+    ("bf16", 64, 3, "fixed", "score", False, False),
+    ("bf16-serving", 128, 2, "fixed", "ascending", True, False),
+]
+
+
+@pytest.mark.parametrize("precision,heads,world,tail,order,selector,exact", TR_CASES)
+def test_triton_backend_equals_torch(monkeypatch, precision, heads, world, tail, order, selector, exact):
+    from sp_kpool.backends import triton_backend as trb
+
+    if exact:
+        x = exact_inputs(LENGTHS, heads, 128, seed=heads + world)
+    else:
+        x = make_inputs(LENGTHS, heads=heads, head_dim=128, kpool=K, seed=heads + world, dtype=torch.bfloat16)
+    called = []
+    real = trb.score_triton
+    monkeypatch.setattr(trb, "score_triton", lambda *a: called.append(a[3].dtype) or real(*a))
+    budget = 7 * 9 * 4  # 7-row chunks
+    ref, got = both(monkeypatch, x, world, "triton", precision, budget, dict(triton_selector=selector),
+                    tail=tail, order=order)  # fmt: skip
+    assert called and set(called) == {torch.bfloat16}
+    assert torch.equal(got, ref)
+    assert int((ref >= 0).sum()) > 0
+
+
+def test_auto_prefers_triton_for_bf16_where_it_runs(monkeypatch):
+    # auto: triton before tilelang for H 32/64/128 at D 128; tilelang for the other shapes
+    from sp_kpool.backends import BACKENDS, resolve_backend
+    from sp_kpool.testing.problems import rank_slice_problem
+
+    standins.install(monkeypatch)
+    for H, D, want in ((32, 128, "triton"), (128, 128, "triton"), (16, 128, "tilelang"), (32, 64, "tilelang")):
+        p = rank_slice_problem(64, 1, 0, heads=H, head_dim=D, topk=8, kpool=K, precision="bf16", device="cpu")
+        assert resolve_backend("auto", p).name == want, (H, D)
+    p = rank_slice_problem(64, 1, 0, heads=16, head_dim=128, topk=8, kpool=K, precision="bf16", device="cpu")
+    assert BACKENDS["triton"].not_supported_reasons(p) == ["H = 16 not in [32, 64, 128]"]
+
+
+@pytest.mark.parametrize("precision,world", [("bf16", 1), ("bf16-serving", 3)])
+def test_triton_backend_fused_equals_torch(monkeypatch, precision, world):
+    # SP_KPOOL_FUSED=1: the triton backend's chunks scored and selected in one kernel (the
+    # interpreter runs the fused mode on BF16 inputs), the same ids as the torch backend
+    import dataclasses
+
+    from sp_kpool import scoring
+
+    x = exact_inputs(LENGTHS, 32, 128, seed=7 + world)
+    ref = torch.cat(simulate_ranks(x, world, topk=TOPK, kpool=K, backend="torch", precision=precision))
+    settings = dataclasses.replace(standins.install(monkeypatch).settings, fused=True)
+    chosen = []
+    real = scoring.choose_fused
+    monkeypatch.setattr(scoring, "choose_fused", lambda b, p: chosen.append(real(b, p)) or chosen[-1])
+    got = torch.cat(simulate_ranks(x, world, topk=TOPK, kpool=K, backend="triton", precision=precision,
+                                   max_logits_bytes=7 * 9 * 4, settings=settings))  # fmt: skip
+    assert chosen and all(c is not None and c.name == "triton-fused" for c in chosen)
+    assert torch.equal(got, ref)
