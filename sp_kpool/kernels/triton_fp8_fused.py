@@ -66,8 +66,9 @@ __all__ = ["score_select", "scores_probe", "supports", "capacity"]
 #: Pools per block (the ``M`` of each dot; a multiple of 64 for wgmma).
 BLOCK_P = 64
 
-#: The last compiled kernel of each ``(H, block_q, block_p, dense, one_dot, query dtype)`` launched
-#: (its ``asm`` holds the PTX the tests check for ``wgmma`` and no ``mma.sync``).
+#: The last compiled kernel of each ``(H, block_q, block_p, dense, one_dot, query dtype)`` launched,
+#: ``+ ("pairs",)`` for the two-block dense kernel (its ``asm`` holds the PTX the tests check for
+#: ``wgmma`` and no ``mma.sync``).
 compiled: dict = {}
 
 
@@ -178,6 +179,45 @@ def _chain(x, w, BP: tl.constexpr, BQ: tl.constexpr, NM: tl.constexpr):
 
 
 @triton.jit
+def _one_dot_operands(Q, sq_r, sq_h, W, sw_r, first, end, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr):
+    """``qt [D, BQ H]`` and ``wt [1, BQ, 4, 2, H / 8]`` of the rows ``first .. first + BQ - 1``
+    (zero from ``end`` on) for one ``[BP, 128] x [128, BQ H]`` dot per block: column ``n = H i
+    + h`` (DeepGEMM's order), the weights laid as :func:`_chain` reads them."""
+    n = tl.arange(0, BQ * H)
+    d = tl.arange(0, D)
+    nrow = first + n // H
+    nok = nrow < end
+    qt = tl.load(Q + nrow.to(tl.int64)[None, :] * sq_r + (n % H)[None, :] * sq_h + d[:, None], mask=nok[None, :],
+                 other=0.0)  # fmt: skip
+    wt = tl.load(W + nrow.to(tl.int64) * sw_r + n % H, mask=nok, other=0.0)
+    return qt, tl.permute(tl.reshape(wt, [1, BQ, H // 8, 4, 2]), [0, 1, 3, 4, 2])
+
+
+@triton.jit
+def _one_dot_chains(kv, qt, wt, BP: tl.constexpr, BQ: tl.constexpr, H: tl.constexpr):
+    """The eight head chains ``[BP, BQ * 8]`` of a pool block ``kv [BP, D]`` and the rows of
+    ``qt``, ``wt`` (:func:`_one_dot_operands`): one dot, then :func:`_chain`."""
+    acc = tl.dot(kv, qt)  # [BP, BQ H]
+    acc = tl.permute(tl.reshape(acc, [BP, BQ, H // 8, 4, 2]), [0, 1, 3, 4, 2])  # [BP, BQ, 4, 2, NM]
+    return tl.reshape(_chain(acc, wt, BP, BQ, H // 8), [BP, BQ * 8])
+
+
+@triton.jit
+def _finish(c, scale, BP: tl.constexpr, BQ: tl.constexpr, SCALED: tl.constexpr):
+    """The logits ``[BP, BQ]`` from the chains ``c [BP, BQ * 8]`` (``j = 2 q + b``): the pairs
+    of chains, the pool scale (``SCALED``; none is what a scale of 1.0 gives, bit for bit),
+    the butterfly ``(P0 + P1) + (P2 + P3)``."""
+    c0, c1 = tl.split(tl.reshape(c, [BP, BQ, 4, 2]))
+    if SCALED:
+        part = (c0 + c1) * scale[:, None, None]
+    else:
+        part = c0 + c1
+    pa, pb = tl.split(tl.reshape(part, [BP, BQ, 2, 2]))
+    x, y = tl.split(pa + pb)
+    return x + y
+
+
+@triton.jit
 def _kth_key(keys, k):
     """The ``k``-th largest of ``keys`` (int32, at least ``k`` of them above ``INT32_MIN``)
     and how many are strictly above it: bisection on the key value."""
@@ -239,13 +279,7 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
     hi = tl.max(ke)
     d = tl.arange(0, D)
     if ONE_DOT:  # one [BP, 128] x [128, BQ H] dot per block, column n = H i + h (DeepGEMM's order)
-        n = tl.arange(0, BQ * H)
-        nrow = row0 + pid * BQ + n // H
-        nok = nrow < row0 + nrows
-        qt = tl.load(Q + nrow.to(tl.int64)[None, :] * sq_r + (n % H)[None, :] * sq_h + d[:, None], mask=nok[None, :],
-                     other=0.0)  # fmt: skip
-        wt = tl.load(W + nrow.to(tl.int64) * sw_r + n % H, mask=nok, other=0.0)
-        wt = tl.permute(tl.reshape(wt, [1, BQ, H // 8, 4, 2]), [0, 1, 3, 4, 2])  # [1, BQ, 4, 2, NM]
+        qt, wt = _one_dot_operands(Q, sq_r, sq_h, W, sw_r, row0 + pid * BQ, row0 + nrows, H, D, BQ)
     else:  # one dot per chain step m, column n = 8 i + j: head 8 m + j of row i
         n = tl.arange(0, N)
         nrow = row0 + pid * BQ + n // 8
@@ -271,10 +305,10 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
             kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
             if SCALED:
                 scale = tl.load(KS + p, mask=pm, other=0.0)
+            else:
+                scale = 0.0
             if ONE_DOT:
-                acc = tl.dot(kv, qt)  # [BP, BQ H]
-                acc = tl.permute(tl.reshape(acc, [BP, BQ, H // 8, 4, 2]), [0, 1, 3, 4, 2])  # [BP, BQ, 4, 2, NM]
-                c = tl.reshape(_chain(acc, wt, BP, BQ, H // 8), [BP, BQ * 8])
+                c = _one_dot_chains(kv, qt, wt, BP, BQ, H)
             else:
                 q0 = tl.load(qcol[None, :] + d[:, None], mask=nok[None, :], other=0.0)
                 q1 = tl.load(qcol[None, :] + 8 * sq_h + d[:, None], mask=nok[None, :], other=0.0)
@@ -290,15 +324,7 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
                     am = tl.dot(kv, qm)
                     wm = tl.load(wcol + 8 * m, mask=nok, other=0.0)
                     c = tl.fma(tl.where(am > 0, am, 0.0), wm[None, :], c)
-            # j = 2 q + b: the pairs of chains, the scale, the butterfly (P0 + P1) + (P2 + P3)
-            c0, c1 = tl.split(tl.reshape(c, [BP, BQ, 4, 2]))
-            if SCALED:
-                part = (c0 + c1) * scale[:, None, None]
-            else:  # no pool scale (BF16): what a scale of 1.0 gives, bit for bit
-                part = c0 + c1
-            pa, pb = tl.split(tl.reshape(part, [BP, BQ, 2, 2]))
-            x, y = tl.split(pa + pb)
-            logit = x + y  # [BP, BQ]
+            logit = _finish(c, scale, BP, BQ, SCALED)  # [BP, BQ]
             vis = (p[:, None] >= ks[None, :]) & (p[:, None] < ke[None, :])
             if DENSE:
                 if STORE:
@@ -355,12 +381,50 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
                 tl.store(Emitted + (row - row0), ci + tl.sum(tl.where(iq == i, dropped, 0)))
 
 
+@triton.jit
+def _dense_pairs_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Logits, sl_r, H: tl.constexpr,
+                        D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
+    # the dense mode with two blocks of BQ rows per program: each pool block is loaded once
+    # for two dots (rows a = first .., b = first + BQ ..); every logit as _fused_kernel's
+    first = row0 + tl.program_id(0) * (2 * BQ)
+    end = row0 + nrows
+    ra = first + tl.arange(0, BQ)
+    rb = ra + BQ
+    ksa = tl.load(Starts + ra, mask=ra < end, other=2147483647)
+    kea = tl.load(Ends + ra, mask=ra < end, other=0)
+    ksb = tl.load(Starts + rb, mask=rb < end, other=2147483647)
+    keb = tl.load(Ends + rb, mask=rb < end, other=0)
+    lo = tl.minimum(tl.min(ksa), tl.min(ksb))  # masked rows: [INT32_MAX, 0), empty
+    hi = tl.maximum(tl.max(kea), tl.max(keb))
+    qa, wa = _one_dot_operands(Q, sq_r, sq_h, W, sw_r, first, end, H, D, BQ)
+    qb, wb = _one_dot_operands(Q, sq_r, sq_h, W, sw_r, first + BQ, end, H, D, BQ)
+    d = tl.arange(0, D)
+    bp = tl.arange(0, BP)
+    p_start = (lo // BP) * BP
+    if hi <= lo:
+        p_start = hi
+    for p0 in range(p_start, hi, BP):
+        p = p0 + bp
+        pm = (p >= lo) & (p < hi)
+        kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
+        if SCALED:
+            scale = tl.load(KS + p, mask=pm, other=0.0)
+        else:
+            scale = 0.0
+        la = _finish(_one_dot_chains(kv, qa, wa, BP, BQ, H), scale, BP, BQ, SCALED)
+        va = (p[:, None] >= ksa[None, :]) & (p[:, None] < kea[None, :])
+        tl.store(Logits + ra.to(tl.int64)[None, :] * sl_r + p[:, None], la, mask=va)
+        lb = _finish(_one_dot_chains(kv, qb, wb, BP, BQ, H), scale, BP, BQ, SCALED)
+        vb = (p[:, None] >= ksb[None, :]) & (p[:, None] < keb[None, :])
+        tl.store(Logits + rb.to(tl.int64)[None, :] * sl_r + p[:, None], lb, mask=vb)
+
+
 def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor | None,
                  starts: torch.Tensor, ends: torch.Tensor, k: int, *, rows: tuple[int, int] | None = None,
                  pool_base: int = 0, dense: bool = False, fill: float | None = float("nan"),
                  out: torch.Tensor | None = None, block_q: int | None = None, block_p: int = BLOCK_P,
                  num_warps: int = 4, num_stages: int | None = None, one_dot: bool | None = None,
-                 cap: int | None = None, check: int = CHECK, slots: str = SLOTS):  # fmt: skip
+                 cap: int | None = None, check: int = CHECK, slots: str = SLOTS, pairs: bool = False):  # fmt: skip
     """Scores (``dense``) or selected pools of query rows against pools, DeepGEMM's arithmetic.
 
     Args:
@@ -386,6 +450,8 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
             prefix count down the block's pools, the row counts in registers; the buffer in
             ascending pool id) or ``"atomic"`` (one relaxed atomic per passing cell). The same
             ids and counts either way.
+        pairs: (``dense`` with ``one_dot``) two blocks of ``block_q`` rows per program, each
+            pool block loaded once for both: the same logits bit for bit.
 
     Returns:
         ``dense``: logits ``[b - a, P]`` float32. Otherwise ``(pools, emitted)``: ``[b - a,
@@ -403,10 +469,20 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
     P = k8.shape[0]
     cap = cap or capacity(k, block_p, check)
     grid = (max(1, triton.cdiv(nr, block_q)),)
+    if pairs and not (dense and one_dot):
+        raise ValueError(f"pairs: needs dense=True and one_dot, got dense={dense}, one_dot={one_dot}")
     if dense:
         shape = (C, max(P, 1))  # (the kernel writes row a + i at row a + i)
         logits = torch.empty(shape, dtype=torch.float32, device=dev) if fill is None else \
             torch.full(shape, fill, dtype=torch.float32, device=dev)  # fmt: skip
+        if pairs:
+            kernel = _dense_pairs_kernel[(max(1, triton.cdiv(nr, 2 * block_q)),)](
+                q8, q8.stride(0), q8.stride(1), w, w.stride(0), k8, k8 if k_scale is None else k_scale, starts, ends,
+                a, nr, logits, logits.stride(0), H=H, D=D, BQ=block_q, BP=block_p, SCALED=k_scale is not None,
+                num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
+            )  # fmt: skip
+            compiled[(H, block_q, block_p, True, one_dot, q8.dtype, "pairs")] = kernel
+            return logits[a:b]
         dummy = torch.empty(1, dtype=torch.int32, device=dev)
         _launch(grid, q8, w, k8, k_scale, starts, ends, a, nr, logits, dummy, dummy, dummy, dummy, dummy, k, pool_base,
                 H, D, block_q, block_p, cap, 1, True, num_warps, num_stages, one_dot, check, True, True)  # fmt: skip

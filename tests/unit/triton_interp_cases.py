@@ -559,6 +559,44 @@ def test_fused_fp8_selection_equals_dense_logits_plus_exact_topk(H, bq, one_dot)
 
 
 
+@pytest.mark.parametrize("H,bq", [(32, 4), (64, 2), (128, 1)])
+def test_bf16_inputs_fused_equals_dense_and_the_bf16_score(H, bq):
+    # BF16 queries and pools, no pool scale (the triton backend): fused = dense + the exact
+    # Top-K, and the dense logits are the BF16 score w . ReLU(q . k) up to FP32 rounding
+    C, P, k = 7, 700, 16
+    q8, w, k8, _ = fp8_case(C, H, P, seed=H + 3)
+    q, keys = q8.float().bfloat16(), k8.float().bfloat16()
+    starts = torch.tensor([0, 3, 100, 650, 0, 5, 699], dtype=torch.int32)
+    ends = torch.tensor([700, 690, 100, 700, 10, 17, 700], dtype=torch.int32)
+    dense, _ = check_fused(q, w, keys, None, starts, ends, k, block_q=bq)
+    ref = (w[:, :, None] * torch.relu(q.float().reshape(C * H, 128) @ keys.float().t()).view(C, H, P)).sum(1)
+    vis = in_range(dense, starts, ends)
+    assert torch.allclose(dense[vis], ref[vis], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="bfloat16 ones and k_scale=None"):
+        ff.score_select(q, w, keys, torch.ones(P), starts, ends, k, dense=True)
+
+
+@pytest.mark.parametrize("H,bq,dtype", [(32, 4, torch.float8_e4m3fn), (64, 2, torch.bfloat16),
+                                        (128, 1, torch.bfloat16), (128, 2, torch.float8_e4m3fn)])  # fmt: skip
+def test_dense_pairs_equal_one_block_per_program(H, bq, dtype):
+    # two row blocks per program (pairs=True): the same logits bit for bit, odd row counts,
+    # an empty row, a partial last pair, and a row window (rows=)
+    C, P = 13, 300
+    q8, w, k8, scale = fp8_case(C, H, P, seed=H + bq)
+    if dtype == torch.bfloat16:
+        q8, k8, scale = q8.float().bfloat16(), k8.float().bfloat16(), None
+    g = torch.Generator().manual_seed(H)
+    starts = torch.randint(0, 150, (C,), generator=g, dtype=torch.int32)
+    ends = torch.clamp(starts + torch.randint(0, 200, (C,), generator=g, dtype=torch.int32), max=P)
+    ends[3] = starts[3]
+    for rows in (None, (2, 11)):
+        a = ff.score_select(q8, w, k8, scale, starts, ends, 1, dense=True, block_q=bq, rows=rows)
+        b = ff.score_select(q8, w, k8, scale, starts, ends, 1, dense=True, block_q=bq, rows=rows, pairs=True)
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    with pytest.raises(ValueError, match="pairs: needs dense=True and one_dot"):
+        ff.score_select(q8, w, k8, scale, starts, ends, 1, pairs=True)
+
+
 @pytest.mark.parametrize("first", [32, 64])
 def test_h128_chains_extend_the_first_heads_chains(first):
     # heads >= first weighted 0: every later chain step is fma(r, 0, c) = c, so the H 128 logits
