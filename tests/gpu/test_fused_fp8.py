@@ -71,6 +71,27 @@ def test_dense_logits_are_deepgemms_bit_for_bit(H, bq, one_dot, case):
         "wgmma.mma_async.sync", "")  # fmt: skip
 
 
+@pytest.mark.parametrize("case", ["random", "ties", "nonfinite"])
+@pytest.mark.parametrize("H,bq", [(32, 4), (64, 2)])
+def test_dense_pairs_logits_are_deepgemms_bit_for_bit(H, bq, case):
+    # two row blocks per program (pairs=True): the same bits as DeepGEMM, wgmma and no mma.sync
+    import deep_gemm
+
+    from sp_kpool.kernels import triton_fp8_fused as ff
+
+    S, P = 1021, 3001
+    q8, w, k8, scale = _inputs(S, H, P, seed=H + bq + 1, case=case)
+    starts, ends = _ranges(S, P, seed=H + 1)
+    ref = deep_gemm.fp8_mqa_logits(q8, (k8, scale), w, starts, ends, clean_logits=False)
+    got = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True, block_q=bq, pairs=True)
+    cols = torch.arange(P, device="cuda")
+    vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
+    a, b = got[vis].view(torch.int32), ref[:, :P][vis].view(torch.int32)
+    assert int((a != b).sum()) == 0, f"{int((a != b).sum())} of {a.numel()} logits differ"
+    ptx = ff.compiled[(H, bq, ff.BLOCK_P, True, True, torch.float8_e4m3fn, "pairs")].asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned" in ptx and "mma.sync" not in ptx.replace("wgmma.mma_async.sync", "")
+
+
 @pytest.mark.parametrize("k", [512, 2048, 7])
 @pytest.mark.parametrize("H", [32, 64, 128])
 def test_fused_selection_equals_dense_plus_exact_selector(H, k):
