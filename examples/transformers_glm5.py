@@ -69,7 +69,7 @@ def row_sets(ids):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", type=device_flag(), default="cpu", help="cpu (default), cuda or cuda:N")
-    parser.add_argument("--backend", default="torch", help="kpool_topk backend (torch, tilelang, deepgemm, auto)")
+    parser.add_argument("--backend", default="torch", help="kpool_topk backend (torch, triton, tilelang, deepgemm, auto)")
     parser.add_argument("--seq", type=int, default=40, help="tokens per row (default 40)")
     parser.add_argument("--perturb", action="store_true",
                         help="negate one indexer weight of the swapped model: the self-check must FAIL")  # fmt: skip

@@ -5,8 +5,8 @@
 Workload: the rank-3 slice of a 4-rank split of one ``--total``-token document (for 131072:
 32768 queries at positions 98304..131071 against 32768 pools), D 128, topk 2048, kpool 4.
 Reports, measured in the same run: the BF16 and FP8 matrix-product ceilings of this GPU;
-per stage (pool, score, select, expand) times of the tilelang (bf16) and deepgemm (fp8)
-backends (the whole call: the pipeline's stages after the gather, ``sp_kpool.pipeline.solve``,
+per stage (pool, score, select, expand) times of the tilelang and triton (bf16) and deepgemm
+(fp8) backends (the whole call: the pipeline's stages after the gather, ``sp_kpool.pipeline.solve``,
 repeated on one sequence, so its table cache is warm, as for every layer after the first;
 also with the cache off, ``whole_table_cache_off``) with achieved TFLOP/s
 (causal query-pool pairs only) and the fraction of the ceiling; DeepGEMM scoring alone
@@ -165,9 +165,10 @@ def main():
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=0, help="max_logits_bytes for the GPU backends (0: the library default)")
     ap.add_argument("--torch-baseline", action="store_true", help="also time the torch backend end to end (slow)")
-    ap.add_argument("--arms", default="bf16,fp8",
-                    help="which of bf16 (tilelang), fp8 (deepgemm) and fused (the fused FP8 path against the dense "
-                         "one and DeepGEMM alone: scripts/bench_fused.py's measurements of this workload) to run")
+    ap.add_argument("--arms", default="bf16,bf16-triton,fp8",
+                    help="which of bf16 (tilelang), bf16-triton (triton), fp8 (deepgemm) and fused (the fused FP8 path "
+                         "against the dense one and DeepGEMM alone: scripts/bench_fused.py's measurements of this "
+                         "workload) to run")
     ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads[:bq[:clean]],...' to time first")
     ap.add_argument("--select-configs", default="",
                     help="selector launches 'name=value[+name=value]' (keyword arguments of topk_ascending: capg, ways, "
@@ -201,8 +202,9 @@ def main():
             log(json.dumps(r))
             res["fused"].append(r)
     for H in [int(h) for h in args.heads.split(",")]:
-        for precision, name in (("bf16", "tilelang"), ("fp8", "deepgemm")):
-            if precision not in args.arms.split(","):
+        for arm, precision, name in (("bf16", "bf16", "tilelang"), ("bf16-triton", "bf16", "triton"),
+                                     ("fp8", "fp8", "deepgemm")):  # fmt: skip
+            if arm not in args.arms.split(","):
                 continue
             p = reference_slice_problem(H, precision, total=args.total, seed=H, max_logits_bytes=args.budget or None,
                                         prompt_fraction=args.prompt_fraction)  # fmt: skip

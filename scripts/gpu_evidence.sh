@@ -22,7 +22,7 @@ case $part in
     cut -c1-600 "$out/bench_kernels.log"
     ;;
   ranks)
-    args="--arms bf16:torch,bf16:tilelang,bf16-serving:tilelang,fp8:deepgemm,fp8:torch --heads 64 --head-dim 128 --dtype bfloat16 --scale"
+    args="--arms bf16:torch,bf16:tilelang,bf16-serving:tilelang,bf16:triton,bf16-serving:triton,fp8:deepgemm,fp8:torch --heads 64 --head-dim 128 --dtype bfloat16 --scale"
     echo "torchrun --standalone --nproc_per_node $ngpu tests/multigpu/sharded_check.py $args" > "$out/torchrun.log"
     timeout 400 python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpu" tests/multigpu/sharded_check.py $args 2>&1 | filter >> "$out/torchrun.log"
     echo "torchrun rc=$?" >> "$out/torchrun.log"; tail -n 12 "$out/torchrun.log"

@@ -341,7 +341,7 @@ def replace_indexers(model: nn.Module, *, precision: str | None = None, backend:
         precision: ``"bf16"`` (the model definition's arithmetic), ``"bf16-serving"``,
             ``"fp8"``; ``None``: the library default (``$SP_KPOOL_PRECISION``, else ``bf16``),
             resolved at each call.
-        backend: as ``kpool_topk``'s (``"torch"``, ``"tilelang"``, ``"deepgemm"``, ``"auto"``).
+        backend: as ``kpool_topk``'s (``"torch"``, ``"triton"``, ``"tilelang"``, ``"deepgemm"``, ``"auto"``).
 
     Returns how many modules it replaced (a module reachable under several names is one,
     replaced everywhere). A model whose indexers are all ours already returns 0; a model
