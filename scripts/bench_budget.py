@@ -32,6 +32,7 @@ import torch
 from bench_fused import CASES, peak_mb, prepared
 from sp_kpool.agreement import num_pools, scoring_chunk_rows
 from sp_kpool.backends import BACKENDS
+from sp_kpool.backends.base import fold_bf16_weights
 from sp_kpool.pipeline import solve
 from sp_kpool.testing.bench_timing import do_bench_ms, log, package_versions, save
 from sp_kpool.testing.problems import rank_slice_problem
@@ -77,7 +78,7 @@ def scorer_alone_ms(base, precision: str):
     pts = pool_table(seq.real_cu_seq_lens, base.kpool)[0].to(base.device)
     keys = BACKENDS["tilelang"].prepare(base, PoolInputs(base.k, base.gates, pts), None)[0].keys
     keys = keys[plan.chunks[0].pool_lo :]
-    wq = base.head_weights[:n].float() * (base.heads**-0.5 * base.head_dim**-0.5)
+    wq = fold_bf16_weights(base.head_weights[:n], base.heads, base.head_dim)
     starts, ends = plan.ranges[0, :n], plan.ranges[1, :n]
     return "tilelang", do_bench_ms(lambda: tilelang_scores(base.q[:n], wq, keys, starts, ends, clean=False))
 
@@ -134,9 +135,13 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
+    arms = [tuple(a.split(":")) for a in args.arms.split(",")]
+    for a in arms:
+        if len(a) != 2 or a[1] not in BACKENDS or a[0] not in BACKENDS[a[1]].precisions:
+            ap.error(f"--arms: expected precision:backend pairs a backend implements "
+                     f"({', '.join(f'{p}:{n}' for n, b in BACKENDS.items() for p in b.precisions)}), got {':'.join(a)!r}")
     doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
-    arms = [tuple(a.split(":")) for a in args.arms.split(",")]
     for case in args.cases.split(","):
         for topk in map(int, args.topk.split(",")):
             for H in map(int, args.heads.split(",")):

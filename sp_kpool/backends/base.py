@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # the sharding sits above the backend interface (it calls the
     from ..sharding import ShardedSequence
 
 __all__ = ["Problem", "Backend", "Pools", "Queries", "ChunkScores", "PoolInputs", "QueryInputs", "MAX_CHUNK_ROWS",
-           "budget_chunk_rows", "round_rows"]  # fmt: skip
+           "budget_chunk_rows", "round_rows", "fold_bf16_weights"]  # fmt: skip
 
 #: Upper bound on the rows of one scoring chunk (larger chunks gain nothing on CPU).
 MAX_CHUNK_ROWS = 512
@@ -182,6 +182,13 @@ class ChunkScores:
     scores: torch.Tensor
     col_offset: torch.Tensor | None = None
     masked: bool = False
+
+
+def fold_bf16_weights(w: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """The BF16 GPU scorers' head weights: ``w [n, H]`` (the raw gate output, any float dtype)
+    times ``H^-0.5 * D^-0.5`` (one Python float, applied in FP32), ``[n, H]`` float32. ReLU
+    commutes with the positive ``D^-0.5`` (contract §3), so the scorers take it here once."""
+    return w.float() * (heads**-0.5 * dim**-0.5)
 
 
 def budget_chunk_rows(problem: Problem, num_pools: int, bytes_per_cell: int, max_rows: int = MAX_CHUNK_ROWS) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from .._probe import cuda_reason, probe
 from ..selectors import reads_row_ranges_only
-from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
+from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs, fold_bf16_weights
 from .triton_backend import bf16_pools
 
 __all__ = ["TileLangBackend"]
@@ -64,8 +64,7 @@ class TileLangBackend(Backend):
     def score(self, problem, pools, q, w, lo, hi, starts, ends) -> ChunkScores:
         from ..kernels.tilelang_score import tilelang_scores
 
-        H, D = problem.heads, problem.head_dim
-        wq = w.float() * (H**-0.5 * D**-0.5)
+        wq = fold_bf16_weights(w, problem.heads, problem.head_dim)
         # the -inf fill of the whole chunk only where a reader needs it (see ChunkScores.masked)
         clean = not reads_row_ranges_only(problem.topk // problem.kpool, hi - lo, problem.order)
         config = problem.settings.tilelang_config

@@ -4,8 +4,9 @@ Pools by the Triton kernels of :mod:`sp_kpool.kernels.triton_serving` (``bf16``:
 :func:`~sp_kpool.kernels.triton_serving.pools_model`, ``bf16-serving``:
 :func:`~sp_kpool.kernels.triton_serving.pools_serving`; each bitwise equal to its torch ops
 on the GPU, :func:`bf16_pools`, which the ``tilelang`` backend shares). Queries: the BF16
-rows as given, the head weights folded once per call, ``w * (H^-0.5 * D^-0.5)`` in FP32 (as
-the ``tilelang`` backend folds them per chunk). Scores: the dense mode of
+rows as given, the head weights folded once per call
+(:func:`~sp_kpool.backends.base.fold_bf16_weights`; the ``tilelang`` backend folds them per
+chunk). Scores: the dense mode of
 :mod:`sp_kpool.kernels.triton_fp8_fused` on BF16 inputs (:func:`score_triton`): per row,
 pool and head one BF16 tensor-core dot over the 128 channels, then DeepGEMM's head chains
 without a pool scale (contract §3, §8): the model's score up to FP32 rounding, in an order
@@ -26,7 +27,7 @@ from .. import serving
 from .._probe import cuda_reason, probe
 from ..pooling import compress_pools_bf16
 from ..selectors import reads_row_ranges_only
-from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
+from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs, fold_bf16_weights
 
 __all__ = ["TritonBackend", "bf16_pools", "score_triton"]
 
@@ -36,14 +37,16 @@ def bf16_pools(problem: Problem, pools: PoolInputs) -> Pools:
     :func:`~sp_kpool.kernels.triton_serving.pools_model`, ``bf16-serving`` by
     :func:`~sp_kpool.kernels.triton_serving.pools_serving` (with the pools' compression
     order, ``pools.extend``); each is bitwise equal to its torch ops, which run instead when
-    Triton is missing (or, in ``bf16``, when the keys are not BF16)."""
+    Triton is missing (or, in ``bf16``, when the keys are not BF16 or the pool shape is not
+    one :func:`~sp_kpool.kernels.triton_serving.pools_model_supports`)."""
     args = (pools.k, pools.gates, problem.ape, pools.pool_tok_start)
     triton = probe("triton")[0] is not None
     if problem.precision == "bf16":  # the model definition: one order, no schedule
         if triton and pools.k.dtype == torch.bfloat16:
-            from ..kernels.triton_serving import pools_model
+            from ..kernels.triton_serving import pools_model, pools_model_supports
 
-            return Pools(pools_model(*args))
+            if pools_model_supports(problem.kpool, problem.head_dim):
+                return Pools(pools_model(*args))
         return Pools(compress_pools_bf16(*args))
     if triton:
         from ..kernels.triton_serving import pools_serving
@@ -81,18 +84,12 @@ class TritonBackend(Backend):
     #: Per-row constant of the balance work model: ``tilelang``'s fit (5900), not refitted for
     #: this scorer (a constant of the partition only; the ids do not depend on it).
     balance_row_cost = 5900
-    heads_supported = (32, 64, 128)
-    dims_supported = (128,)
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         reasons = super().not_supported_reasons(problem)
         why = cuda_reason(problem.device)
         if why:
             reasons.append(why)
-        if problem.heads not in self.heads_supported:
-            reasons.append(f"H = {problem.heads} not in {list(self.heads_supported)}")
-        if problem.head_dim not in self.dims_supported:
-            reasons.append(f"D = {problem.head_dim} not in {list(self.dims_supported)}")
         for name, t in (("q", problem.q), ("k", problem.k)):
             if t.dtype != torch.bfloat16:
                 reasons.append(f"{name} must be bfloat16, got {t.dtype}")
@@ -100,16 +97,20 @@ class TritonBackend(Backend):
             _, why = probe("triton")
             if why:
                 reasons.append(why)
+            else:  # the scorer's shapes (H, D), from the kernel module (one place for them)
+                from ..kernels.triton_fp8_fused import supports
+
+                reasons += supports(problem.heads, problem.head_dim, 1)
         return reasons
 
     def prepare(self, problem: Problem, pools: PoolInputs | None, queries: QueryInputs | None):
-        """Pools by :func:`bf16_pools`; queries as given with the head weights folded,
-        ``w.float() * (H^-0.5 * D^-0.5)`` (``[n, H]`` FP32; zero rows stay zero)."""
+        """Pools by :func:`bf16_pools`; queries as given with the head weights folded once,
+        :func:`~sp_kpool.backends.base.fold_bf16_weights` (``[n, H]`` FP32; zero rows stay
+        zero)."""
         pooled = None if pools is None else bf16_pools(problem, pools)
         prepared = None
         if queries is not None:
-            H, D = problem.heads, problem.head_dim
-            prepared = Queries(queries.q, queries.w.float() * (H**-0.5 * D**-0.5), queries.row)
+            prepared = Queries(queries.q, fold_bf16_weights(queries.w, problem.heads, problem.head_dim), queries.row)
         return pooled, prepared
 
     def score(self, problem, pools, q, w, lo, hi, starts, ends) -> ChunkScores:

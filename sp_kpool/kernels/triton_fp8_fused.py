@@ -465,7 +465,9 @@ def score_select(q8: torch.Tensor, w: torch.Tensor, k8: torch.Tensor, k_scale: t
     """
     C, H, D = q8.shape
     one_dot, block_q = _shape("score_select", H, D, k, one_dot, block_q)
-    num_stages = num_stages or _stages(q8, k8, k_scale)
+    default_stages = _stages(q8, k8, k_scale)  # (checks the dtypes, whether or not num_stages is given)
+    num_stages = num_stages or default_stages
+    q8, w, k8, k_scale, starts, ends = _unit_strides(q8, w, k8, k_scale, starts, ends)
     if slots not in ("scan", "atomic"):
         raise ValueError(f"slots: expected 'scan' or 'atomic', got {slots!r}")
     a, b = rows if rows is not None else (0, C)
@@ -515,7 +517,9 @@ def scores_probe(q8, w, k8, k_scale, starts, ends, **launch) -> torch.Tensor:
     ``num_stages``, ``one_dot`` as :func:`score_select`."""
     C, H, D = q8.shape
     one_dot, block_q = _shape("scores_probe", H, D, 1, launch.get("one_dot"), launch.get("block_q"))
-    stages = launch.get("num_stages") or _stages(q8, k8, k_scale)
+    default_stages = _stages(q8, k8, k_scale)  # (checks the dtypes)
+    stages = launch.get("num_stages") or default_stages
+    q8, w, k8, k_scale, starts, ends = _unit_strides(q8, w, k8, k_scale, starts, ends)
     block_p = launch.get("block_p", BLOCK_P)
     out = torch.empty((C, 1), dtype=torch.float32, device=q8.device)
     dummy = torch.empty(1, dtype=torch.int32, device=q8.device)
@@ -532,15 +536,28 @@ STAGES = {torch.float8_e4m3fn: 3, torch.bfloat16: 2}
 
 
 def _stages(q8, k8, k_scale) -> int:
-    """The default ``num_stages`` of the inputs' dtype, the dtypes checked: FP8 queries and
-    pools with scales, or BF16 queries and pools without."""
-    fp8 = q8.dtype == torch.float8_e4m3fn and k8.dtype == torch.float8_e4m3fn and k_scale is not None
+    """The default ``num_stages`` of the inputs' dtype, the dtypes checked (whether or not
+    the caller gives ``num_stages``): FP8 queries and pools with float32 scales, or BF16
+    queries and pools without."""
+    fp8 = (q8.dtype == torch.float8_e4m3fn and k8.dtype == torch.float8_e4m3fn and k_scale is not None
+           and k_scale.dtype == torch.float32)  # fmt: skip
     bf16 = q8.dtype == torch.bfloat16 and k8.dtype == torch.bfloat16 and k_scale is None
     if not (fp8 or bf16):
         raise ValueError(f"q8, k8, k_scale: expected float8_e4m3fn queries and pools with float32 scales, or bfloat16 "
                          f"ones and k_scale=None, got {q8.dtype}, {k8.dtype}, "
                          f"{None if k_scale is None else k_scale.dtype}")  # fmt: skip
     return STAGES[q8.dtype]
+
+
+def _unit_strides(q8, w, k8, k_scale, starts, ends):
+    """The kernel's operands laid out as it reads them (a copy only where they are not):
+    ``q8 [C, H, D]`` and ``w [C, H]`` with unit stride along the last dim (any row and head
+    strides), ``k8 [P, D]`` row-contiguous, ``k_scale``, ``starts``, ``ends`` contiguous."""
+    q8 = q8 if q8.stride(-1) == 1 else q8.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    k8 = k8 if k8.is_contiguous() else k8.contiguous()
+    k_scale = k_scale if k_scale is None else k_scale.contiguous()
+    return q8, w, k8, k_scale, starts.contiguous(), ends.contiguous()
 
 
 def _shape(caller: str, H: int, D: int, k: int, one_dot: bool | None, block_q: int | None) -> tuple[bool, int]:

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-__all__ = ["pools_serving", "pools_model", "queries_fp8", "prepare_fp8"]
+__all__ = ["pools_serving", "pools_model", "pools_model_supports", "queries_fp8", "prepare_fp8"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -415,6 +415,15 @@ def pools_serving(k, gates, ape, pool_tok_start, fp8: bool, block: int = 16, ext
     return (out, scale) if fp8 else out
 
 
+def pools_model_supports(kpool: int, dim: int) -> bool:
+    """Whether :func:`pools_model` takes pools of ``kpool`` slots of ``dim`` channels: the
+    shapes whose torch reduction order it reproduces (four accumulators; the GPU tests
+    compare K 1, 4 and 16 at D 128 and K 1 at D 64 bit for bit). Up to 4 slots torch's sum
+    is one sum in slot order whatever its launch; more slots only at D 128, up to 16 (a
+    longer slot sum may be split across threads, in an order not reproduced here)."""
+    return dim in (64, 128) and (kpool <= 4 or (kpool <= 16 and dim == 128))
+
+
 def pools_model(k: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, pool_tok_start: torch.Tensor,
                 block: int = 16) -> torch.Tensor:  # fmt: skip
     """The model-definition pools (``bf16``) of ``pool_tok_start [P]`` (int64, CUDA) in one
@@ -423,11 +432,22 @@ def pools_model(k: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, pool_to
     the reduction).
 
     ``k``: ``[S, D]`` bfloat16 (row-contiguous); ``gates``: ``[S, D]`` bfloat16 or float32;
-    ``ape``: ``[K, D]`` (any float dtype). Returns ``[P, D]`` bfloat16."""
+    ``ape``: ``[K, D]`` (any float dtype), with :func:`pools_model_supports` ``(K, D)``.
+    Returns ``[P, D]`` bfloat16."""
     import triton
 
     if k.dtype != torch.bfloat16:
         raise ValueError(f"k: expected bfloat16 (the model's key dtype), got {k.dtype}")
+    if k.dim() != 2 or gates.shape != k.shape:
+        raise ValueError(f"gates: expected the shape of k, {tuple(k.shape)}, got {tuple(gates.shape)}")
+    if ape.dim() != 2 or ape.shape[1] != k.shape[1]:
+        raise ValueError(f"ape: expected [K, {k.shape[1]}], got {tuple(ape.shape)}")
+    if not pools_model_supports(ape.shape[0], k.shape[1]):
+        raise ValueError(f"ape: K = {ape.shape[0]} slots of D = {k.shape[1]} channels is not a shape whose torch "
+                         f"order this kernel reproduces (see pools_model_supports)")  # fmt: skip
+    if pool_tok_start.dim() != 1 or pool_tok_start.dtype != torch.int64:
+        raise ValueError(f"pool_tok_start: expected a 1-D int64 tensor, got {pool_tok_start.dtype} "
+                         f"{tuple(pool_tok_start.shape)}")  # fmt: skip
     P, D, K = pool_tok_start.numel(), k.shape[1], ape.shape[0]
     out = torch.empty((P, D), dtype=torch.bfloat16, device=k.device)
     if P:

@@ -14,8 +14,8 @@ GPU, and nothing else:
   (:func:`tilelang_kernel`; the real host function around it still pads the rows and
   computes each row group's column range); :func:`tilelang_scores` states the whole
   function's contract in torch;
-* the probes (``cuda_reason``, ``probe("deep_gemm" | "tilelang")``) and the choice of the
-  GPU path (:func:`sp_kpool._device.on_gpu`);
+* the probes (``cuda_reason`` and ``probe("deep_gemm" | "tilelang")`` of the three
+  backends) and the choice of the GPU path (:func:`sp_kpool._device.on_gpu`);
 * the Triton kernels (pools, queries, ``prepare_fp8``, ranges, selector, expansion, the
   scorer of the ``triton`` backend and of ``deepgemm`` at H 128) are the real ones, run by
   Triton's CPU interpreter

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sp_kpool.backends import BACKENDS
+from sp_kpool.backends.base import fold_bf16_weights
 from sp_kpool.pooling import pool_table
 from sp_kpool.testing.gpu_checks import bf16_row_scores, ids_of, near_tie_rows
 from sp_kpool.testing.problems import rank_slice_problem
@@ -80,8 +81,10 @@ def test_fused_selection_equals_dense(H):
         got, emitted = ff.score_select(q, w, keys, None, starts, ends, k)
         assert torch.equal(got, want.int()), k
         assert int(emitted.min()) >= 0
-    ptx = ff.compiled[(H, ff._shape("t", H, 128, 1, None, None)[1], ff.BLOCK_P, True, True, torch.bfloat16)].asm["ptx"]
-    assert "wgmma" in ptx and "mma.sync" not in ptx
+    bq = ff._shape("t", H, 128, 1, None, None)[1]
+    for dense in (True, False):  # the dense and the fused kernel
+        ptx = ff.compiled[(H, bq, ff.BLOCK_P, dense, True, torch.bfloat16)].asm["ptx"]
+        assert "wgmma" in ptx and "mma.sync" not in ptx.replace("wgmma.mma_async.sync", ""), dense
 
 
 def test_logits_storage_within_budget():
@@ -91,7 +94,7 @@ def test_logits_storage_within_budget():
     C = be.chunk_rows(p, n)
     pooled = be.pools(p, pool_table(p.seq.real_cu_seq_lens, 4)[0].cuda())
     z = torch.zeros(C, dtype=torch.int32, device="cuda")
-    w = p.head_weights[:C].float() * (64**-0.5 * 128**-0.5)
+    w = fold_bf16_weights(p.head_weights[:C], 64, 128)
     sc = be.score(p, pooled, p.q[:C], w, 0, n, z, z + n).scores
     nbytes = sc.untyped_storage().nbytes()
     assert nbytes <= p.max_logits_bytes, f"rows={C} bytes={nbytes} budget={p.max_logits_bytes}"

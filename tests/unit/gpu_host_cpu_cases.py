@@ -280,3 +280,25 @@ def test_triton_backend_fused_equals_torch(monkeypatch, precision, world):
                                    max_logits_bytes=7 * 9 * 4, settings=settings))  # fmt: skip
     assert chosen and all(c is not None and c.name == "triton-fused" for c in chosen)
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("what", ["q", "head_weights"])
+def test_triton_backend_takes_any_strides(monkeypatch, what):
+    # the rank's queries with non-adjacent channels, or transposed head weights (the same
+    # values): the scorer gets operands laid out as it reads them, the ids equal the torch
+    # backend's (one chunk for all rows: scored from views of the rows as given)
+    from sp_kpool.config import KPoolConfig, RunOptions
+    from sp_kpool.pipeline import run_gathered
+    from sp_kpool.testing.problems import layout_seqs, shard_inputs
+
+    x = make_inputs(LENGTHS, heads=32, head_dim=128, kpool=K, seed=21, dtype=torch.bfloat16)
+    seq = layout_seqs(x.cu_seq_lens, 1)[0]
+    d = shard_inputs(x, seq)
+    ref = run_gathered(d, seq, KPoolConfig(topk=TOPK, kpool=K, precision="bf16"), RunOptions(backend="torch")).ids
+    t = d[what]
+    d[what] = t.transpose(1, 2).contiguous().transpose(1, 2) if what == "q" else t.t().contiguous().t()
+    assert d[what].stride(-1) != 1
+    settings = standins.install(monkeypatch).settings
+    config = KPoolConfig(topk=TOPK, kpool=K, precision="bf16", max_logits_bytes=64 * 7 * 9 * 4)
+    got = run_gathered(d, seq, config, RunOptions(backend="triton"), settings).ids
+    assert torch.equal(got, ref)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sp_kpool import KPoolIndexer, ShardedSequence, kpool_topk
+from sp_kpool.registry import backend_names
 from sp_kpool.testing.invariants import check_invariants
 from sp_kpool.testing.problems import make_inputs, shard_inputs, simulate_ranks
 
@@ -67,7 +68,7 @@ BAD_OPTIONS = {
     "alignment": st.one_of(st.integers(-3, 0), st.just(2.5)),
     "precision": st.text(max_size=8).filter(lambda t: t not in ("bf16", "bf16-serving", "fp8")),
     "max_logits_bytes": st.one_of(st.integers(-3, 50), st.just("1GiB")),
-    "backend": st.one_of(st.text(max_size=8).filter(lambda t: t not in ("auto", "torch", "tilelang", "deepgemm")),
+    "backend": st.one_of(st.text(max_size=8).filter(lambda t: t != "auto" and t not in backend_names()),
                          st.just(3)),
     "gather": st.text(max_size=6).filter(lambda t: t not in ("keys", "pools")),
     "balance": st.text(max_size=6).filter(lambda t: t not in ("none", "causal")),

@@ -1,4 +1,4 @@
-"""The host code of the GPU backends (``deepgemm``, ``tilelang``) on CPU: runs
+"""The host code of the GPU backends (``deepgemm``, ``tilelang``, ``triton``) on CPU: runs
 ``gpu_host_cpu_cases.py`` (the backends with :mod:`sp_kpool.testing.standins` installed,
 against the torch backend, bit for bit) in a child pytest with ``TRITON_INTERPRET=1``:
 Triton reads the variable when it is imported, so it must not be set in this process."""

@@ -572,8 +572,15 @@ def test_bf16_inputs_fused_equals_dense_and_the_bf16_score(H, bq):
     ref = (w[:, :, None] * torch.relu(q.float().reshape(C * H, 128) @ keys.float().t()).view(C, H, P)).sum(1)
     vis = in_range(dense, starts, ends)
     assert torch.allclose(dense[vis], ref[vis], rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="bfloat16 ones and k_scale=None"):
-        ff.score_select(q, w, keys, torch.ones(P), starts, ends, k, dense=True)
+    # the dtypes are checked whether or not the launch gives num_stages
+    for args, kw in (((q, w, keys, torch.ones(P)), {}), ((q8, w, k8, None), dict(num_stages=3)),
+                     ((q8, w, k8, torch.ones(P, dtype=torch.float64)), dict(num_stages=3)),
+                     ((q, w, k8, None), dict(num_stages=2))):  # fmt: skip
+        with pytest.raises(ValueError, match="bfloat16 ones and k_scale=None"):
+            ff.score_select(*args, starts, ends, k, dense=True, **kw)
+    # one dot per chain step (one_dot=False) gives the same BF16 logits
+    other = ff.score_select(q, w, keys, None, starts, ends, k, dense=True, one_dot=False, block_q=4)
+    assert torch.equal(dense.view(torch.int32), other.view(torch.int32))
 
 
 @pytest.mark.parametrize("H,bq,dtype", [(32, 4, torch.float8_e4m3fn), (64, 2, torch.bfloat16),
@@ -784,7 +791,9 @@ def model_pool_inputs(S, D, K, seed, gates_dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("S,D,K,gdt", [(4 * 37 + 5, 128, 4, torch.bfloat16), (211, 64, 1, torch.float32),
                                        (16 * 600 + 3, 128, 16, torch.bfloat16), (4 * 16, 128, 4, torch.float32)])
-def test_model_pools_equal_the_torch_pooling(S, D, K, gdt):
+def test_model_pools_follow_the_cuda_rule(S, D, K, gdt):
+    # the CUDA torch ops' rule step by step; torch's CPU pooling too where it sums in the same
+    # order (K <= 4); equality with the CUDA torch ops themselves: tests/gpu/test_serving_kernels.py
     k, gates, ape, starts = model_pool_inputs(S, D, K, S, gdt)
     got = ts.pools_model(k, gates, ape, starts)
     assert got.dtype == torch.bfloat16 and got.shape == (starts.numel(), D)
@@ -813,11 +822,21 @@ def test_model_pools_nonfinite_gates_zero_keys_and_ties():
     assert not bool(got[:, 6:].isnan().any())
 
 
-def test_model_pools_reject_other_key_dtypes():
+def test_model_pools_check_their_arguments():
     k, gates, ape, starts = model_pool_inputs(64, 64, 4, 3)
     with pytest.raises(ValueError, match="k: expected bfloat16"):
         ts.pools_model(k.float(), gates, ape, starts)
+    with pytest.raises(ValueError, match=r"gates: expected the shape of k, \(64, 64\), got \(64, 32\)"):
+        ts.pools_model(k, gates[:, :32], ape, starts)
+    with pytest.raises(ValueError, match=r"ape: expected \[K, 64\], got \(4, 32\)"):
+        ts.pools_model(k, gates, ape[:, :32], starts)
+    with pytest.raises(ValueError, match="K = 8 slots of D = 64 channels"):
+        ts.pools_model(k, gates, torch.zeros(8, 64), starts)
+    with pytest.raises(ValueError, match="pool_tok_start: expected a 1-D int64 tensor"):
+        ts.pools_model(k, gates, ape, starts.int())
     assert ts.pools_model(k, gates, ape, starts[:0]).shape == (0, 64)
+    assert ts.pools_model_supports(4, 64) and ts.pools_model_supports(16, 128)
+    assert not ts.pools_model_supports(32, 128) and not ts.pools_model_supports(8, 64)
 
 
 def test_model_pools_divide_as_torch_does():
