@@ -12,12 +12,10 @@ CUDA the exact Triton selector, no host sync).
 
 from __future__ import annotations
 
-import torch
-
-from .._probe import cuda_reason, probe
+from .._probe import probe
 from ..selectors import reads_row_ranges_only
-from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs, fold_bf16_weights
-from .triton_backend import bf16_pools
+from .base import Backend, ChunkScores, PoolInputs, Problem, Queries, QueryInputs, fold_bf16_weights
+from .triton_backend import bf16_gpu_reasons, bf16_pools
 
 __all__ = ["TileLangBackend"]
 
@@ -35,17 +33,11 @@ class TileLangBackend(Backend):
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         from ..kernels.tilelang_score import SUPPORTED_DIMS, SUPPORTED_HEADS
 
-        reasons = super().not_supported_reasons(problem)
-        why = cuda_reason(problem.device)
-        if why:
-            reasons.append(why)
+        reasons = super().not_supported_reasons(problem) + bf16_gpu_reasons(problem)
         if problem.heads not in SUPPORTED_HEADS:
             reasons.append(f"H = {problem.heads} not in {list(SUPPORTED_HEADS)}")
         if problem.head_dim not in SUPPORTED_DIMS:
             reasons.append(f"D = {problem.head_dim} not in {list(SUPPORTED_DIMS)}")
-        for name, t in (("q", problem.q), ("k", problem.k)):
-            if t.dtype != torch.bfloat16:
-                reasons.append(f"{name} must be bfloat16, got {t.dtype}")
         if not reasons:  # import only when everything else fits
             _, why = probe("tilelang")
             if why:

@@ -29,7 +29,7 @@ from ..pooling import compress_pools_bf16
 from ..selectors import reads_row_ranges_only
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs, fold_bf16_weights
 
-__all__ = ["TritonBackend", "bf16_pools", "score_triton"]
+__all__ = ["TritonBackend", "bf16_pools", "bf16_gpu_reasons", "score_triton"]
 
 
 def bf16_pools(problem: Problem, pools: PoolInputs) -> Pools:
@@ -53,6 +53,17 @@ def bf16_pools(problem: Problem, pools: PoolInputs) -> Pools:
 
         return Pools(pools_serving(*args, fp8=False, extend=pools.extend))
     return Pools(serving.prepare_pools_bf16_serving(*args, pools.extend))
+
+
+def bf16_gpu_reasons(problem: Problem) -> list[str]:
+    """What the BF16 GPU backends (``triton``, ``tilelang``) need of every call: a CUDA
+    device and BF16 queries and keys (empty: both hold)."""
+    why = cuda_reason(problem.device)
+    reasons = [why] if why else []
+    for name, t in (("q", problem.q), ("k", problem.k)):
+        if t.dtype != torch.bfloat16:
+            reasons.append(f"{name} must be bfloat16, got {t.dtype}")
+    return reasons
 
 
 def score_triton(problem: Problem, q, w, keys, scales, starts, ends, backend: str = "triton") -> ChunkScores:
@@ -86,13 +97,7 @@ class TritonBackend(Backend):
     balance_row_cost = 5900
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
-        reasons = super().not_supported_reasons(problem)
-        why = cuda_reason(problem.device)
-        if why:
-            reasons.append(why)
-        for name, t in (("q", problem.q), ("k", problem.k)):
-            if t.dtype != torch.bfloat16:
-                reasons.append(f"{name} must be bfloat16, got {t.dtype}")
+        reasons = super().not_supported_reasons(problem) + bf16_gpu_reasons(problem)
         if not reasons:
             _, why = probe("triton")
             if why:

@@ -253,9 +253,10 @@ def install(monkeypatch, *, layout: str | None = None, api: str = "fp8", legacy_
     def probe(module):
         return (fakes[module], None) if module in fakes else real_probe(module)
 
-    for mod in (dgb, tlb, trb):
+    for mod in (dgb, tlb, trb):  # (tilelang's device check is triton_backend's bf16_gpu_reasons)
         monkeypatch.setattr(mod, "probe", probe)
-        monkeypatch.setattr(mod, "cuda_reason", lambda device: None)
+        if hasattr(mod, "cuda_reason"):
+            monkeypatch.setattr(mod, "cuda_reason", lambda device: None)
     monkeypatch.setattr(_device, "on_gpu", lambda device: True)
     if not triton_selector:
         monkeypatch.setattr(selectors, "_triton_select", lambda k, width: None)
