@@ -32,7 +32,6 @@ import torch
 from bench_fused import CASES, peak_mb, prepared
 from sp_kpool.agreement import num_pools, scoring_chunk_rows
 from sp_kpool.backends import BACKENDS
-from sp_kpool.backends.base import fold_bf16_weights
 from sp_kpool.pipeline import solve
 from sp_kpool.testing.bench_timing import do_bench_ms, log, package_versions, save
 from sp_kpool.testing.problems import rank_slice_problem
@@ -54,11 +53,8 @@ def problem(case: str, precision: str, H: int, topk: int):
 
 def scorer_alone_ms(base, precision: str):
     """``(name, ms)`` of the scorer alone on ``base``'s prepared rows (all in one call), or
-    ``(None, None)``: DeepGEMM for ``fp8`` at H 32 / 64, TileLang for the BF16 arms."""
-    from sp_kpool.backends.base import PoolInputs
-    from sp_kpool.plan import plan_chunks
-    from sp_kpool.pooling import pool_table
-
+    ``(None, None)``: DeepGEMM for ``fp8`` at H 32 / 64, TileLang for the BF16 arms (the
+    ``triton`` backend's prepared rows: the same pools, the weights folded as TileLang's)."""
     if precision == "fp8":
         if base.heads not in BACKENDS["deepgemm"].deepgemm_heads:
             return None, None
@@ -71,16 +67,8 @@ def scorer_alone_ms(base, precision: str):
         return None, None
     from sp_kpool.kernels.tilelang_score import tilelang_scores
 
-    seq = base.seq
-    lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    n = hi_row - lo_row
-    plan = plan_chunks(seq, base.kpool, n, lo_row, hi_row, base.device, cache=False)
-    pts = pool_table(seq.real_cu_seq_lens, base.kpool)[0].to(base.device)
-    keys = BACKENDS["tilelang"].prepare(base, PoolInputs(base.k, base.gates, pts), None)[0].keys
-    keys = keys[plan.chunks[0].pool_lo :]
-    wq = fold_bf16_weights(base.head_weights[:n], base.heads, base.head_dim)
-    starts, ends = plan.ranges[0, :n], plan.ranges[1, :n]
-    return "tilelang", do_bench_ms(lambda: tilelang_scores(base.q[:n], wq, keys, starts, ends, clean=False))
+    q, wq, keys, _, starts, ends, _ = prepared(base, "triton")
+    return "tilelang", do_bench_ms(lambda: tilelang_scores(q, wq, keys, starts, ends, clean=False))
 
 
 def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list[int]) -> list[dict]:

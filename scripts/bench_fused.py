@@ -125,24 +125,26 @@ def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[in
     return res
 
 
-def prepared(p) -> tuple:
-    """The deepgemm backend's prepared FP8 inputs of problem ``p`` for the kernels alone, every
-    row of its slice in one call: ``(q8, wq, k8, k_scale, starts, ends, lo)``, the pools from
-    ``lo`` on (the first chunk's first pool) and the rows' ranges relative to ``lo``."""
+def prepared(p, backend: str = "deepgemm") -> tuple:
+    """The prepared inputs of problem ``p`` for a scorer alone, every row of its slice in one
+    call: ``(q, w, keys, scales, starts, ends, lo)`` as ``backend`` prepares them (``deepgemm``:
+    rotated FP8 queries, folded weights, FP8 pools and their scales; ``triton``: BF16 queries,
+    folded weights, BF16 pools, ``scales`` ``None``), the pools from ``lo`` on (the first
+    chunk's first pool) and the rows' ranges relative to ``lo``."""
     from sp_kpool.backends.base import QueryInputs
     from sp_kpool.plan import plan_chunks
     from sp_kpool.pooling import pool_table
 
-    be, seq = BACKENDS["deepgemm"], p.seq
+    be, seq = BACKENDS[backend], p.seq
     lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    pts = pool_table(seq.real_cu_seq_lens, p.kpool)[0].to("cuda")
+    pts = pool_table(seq.real_cu_seq_lens, p.kpool)[0].to(p.device)
     plan = plan_chunks(seq, p.kpool, hi_row - lo_row, lo_row, hi_row, p.device, cache=False)
     pools = be.pools(p, pts, None)
     _, queries = be.prepare(p, None, QueryInputs(p.q, p.head_weights, lo_row))
     lo = plan.chunks[0].pool_lo
     n = hi_row - lo_row
-    return (queries.q, queries.w, pools.keys[lo:], pools.scales[lo:], plan.ranges[0, :n], plan.ranges[1, :n],
-            lo)  # fmt: skip
+    scales = None if pools.scales is None else pools.scales[lo:]
+    return queries.q[:n], queries.w[:n], pools.keys[lo:], scales, plan.ranges[0, :n], plan.ranges[1, :n], lo
 
 
 def w_inputs(H: int, topk: int = 2048):
