@@ -220,6 +220,19 @@ def _one_dot_chains(kv, qt, wt, BP: tl.constexpr, BQ: tl.constexpr, H: tl.conste
 
 
 @triton.jit
+def _pool_block(KV, KS, p, lo, hi, d, D: tl.constexpr, SCALED: tl.constexpr):
+    """The pools ``p [BP]`` of a block: ``kv [BP, D]`` and their FP32 scales (``SCALED``; else
+    0.0), zero outside ``[lo, hi)``."""
+    pm = (p >= lo) & (p < hi)
+    kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
+    if SCALED:
+        scale = tl.load(KS + p, mask=pm, other=0.0)
+    else:
+        scale = 0.0
+    return kv, scale
+
+
+@triton.jit
 def _finish(c, scale, BP: tl.constexpr, BQ: tl.constexpr, SCALED: tl.constexpr):
     """The logits ``[BP, BQ]`` from the chains ``c [BP, BQ * 8]`` (``j = 2 q + b``): the pairs
     of chains, the pool scale (``SCALED``; none is what a scale of 1.0 gives, bit for bit),
@@ -318,12 +331,7 @@ def _fused_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrows, Log
     for s0 in range(p_start, hi, CHECK * BP):  # super-blocks: the inner loop has no barrier (pipelined)
         for p0 in range(s0, tl.minimum(s0 + CHECK * BP, hi), BP):
             p = p0 + bp
-            pm = (p >= lo) & (p < hi)
-            kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
-            if SCALED:
-                scale = tl.load(KS + p, mask=pm, other=0.0)
-            else:
-                scale = 0.0
+            kv, scale = _pool_block(KV, KS, p, lo, hi, d, D, SCALED)
             if ONE_DOT:
                 c = _one_dot_chains(kv, qt, wt, BP, BQ, H)
             else:
@@ -422,12 +430,7 @@ def _dense_pairs_kernel(Q, sq_r, sq_h, W, sw_r, KV, KS, Starts, Ends, row0, nrow
         p_start = hi
     for p0 in range(p_start, hi, BP):
         p = p0 + bp
-        pm = (p >= lo) & (p < hi)
-        kv = tl.load(KV + p.to(tl.int64)[:, None] * D + d[None, :], mask=pm[:, None], other=0.0)
-        if SCALED:
-            scale = tl.load(KS + p, mask=pm, other=0.0)
-        else:
-            scale = 0.0
+        kv, scale = _pool_block(KV, KS, p, lo, hi, d, D, SCALED)
         la = _finish(_one_dot_chains(kv, qa, wa, BP, BQ, H), scale, BP, BQ, SCALED)
         va = (p[:, None] >= ksa[None, :]) & (p[:, None] < kea[None, :])
         tl.store(Logits + ra.to(tl.int64)[None, :] * sl_r + p[:, None], la, mask=va)
