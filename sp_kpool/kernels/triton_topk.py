@@ -146,15 +146,18 @@ def supports(width: int, k: int) -> bool:
 
 
 @triton.jit
-def _select_all(srow, orow, a, e, pbase, kofs):
+def _select_all(srow, orow, a, e, pbase, kofs, k):
     """Step 0 of a row whose range ``[a, e)`` holds at most ``KP`` columns: every visible
     cell (``-inf`` and NaN are invisible), no ranking, one masked tile, written in column
     order as ``pbase + column``; returns how many."""
     m0 = kofs < e - a
     v0 = tl.load(srow + a + kofs, mask=m0, other=float("-inf"))
     ok0 = (m0 & (v0 > float("-inf"))).to(tl.int32)  # -inf and NaN are invisible
-    tl.store(orow + tl.cumsum(ok0, axis=0) - 1, (pbase + a + kofs).to(tl.int32), mask=ok0 == 1)
-    return tl.sum(ok0)
+    pos = tl.cumsum(ok0, axis=0)
+    # at most k written (a range longer than k breaks the caller's guarantee: the row is then
+    # wrong, but nothing is written outside it)
+    tl.store(orow + pos - 1, (pbase + a + kofs).to(tl.int32), mask=(ok0 == 1) & (pos <= k))
+    return tl.minimum(tl.sum(ok0), k)
 
 
 @triton.jit
@@ -168,7 +171,7 @@ def short_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, k, 
     tl.device_assert(e - a <= k, "short_rows='all' with a row that holds more than k columns")
     kofs = tl.arange(0, KP)
     orow = Out + tl.cast(row, tl.int64) * stride_o
-    nsel = _select_all(S + tl.cast(row, tl.int64) * stride_s, orow, a, e, pbase, kofs)
+    nsel = _select_all(S + tl.cast(row, tl.int64) * stride_s, orow, a, e, pbase, kofs, k)
     tl.store(orow + kofs, tl.full((KP,), -1, tl.int32), mask=(kofs >= nsel) & (kofs < k))
 
 
@@ -210,7 +213,7 @@ def select_kernel(S, stride_s, starts_ptr, ends_ptr, base_ptr, Out, stride_o, Gm
         if (e - a <= k) & (SHORT == 1):
             # 0. a row that sees at most k cells selects every visible one: no ranking (the
             # rows of short documents); one masked tile of KP >= k columns, in column order
-            nsel = _select_all(srow, orow, a, e, pbase, kofs)
+            nsel = _select_all(srow, orow, a, e, pbase, kofs, k)
         else:
             # 1. maxima of the groups of G columns (INT32_MIN: no visible cell). Tiles i of
             # [a0 + i TILE, a0 + (i + 1) TILE): those inside [a, e) (i in [i0, i1), most of
@@ -386,7 +389,9 @@ def topk_ascending(
             the caller guarantees that every row's range holds at most ``k`` columns (e.g.
             from its documents' lengths): one small program per row runs step 0 only (on an
             H200, 32768 rows of 2048-token documents at ``k`` 512: 0.047 ms, against 0.13
-            ms through the persistent kernel).
+            ms through the persistent kernel); ``tile``, ``num_warps``, ``programs``, ``capg``,
+            ``ways``, ``maxnreg``, ``vsteps`` and the splits do not apply there. A row that
+            breaks the guarantee gets wrong ids, never writes outside its row of ``out``).
         group: columns per group of phase 1 (a power of two, at least 4, at most ``tile``;
             default: 4 for ``k > 512`` in rows of at most 32768 columns, else 8, wider for
             rows of more than 65536 columns): smaller groups make more group maxima (phase
@@ -429,6 +434,9 @@ def topk_ascending(
     starts = starts.to(device=dev, dtype=torch.int32).clamp(min=0, max=W).contiguous()
     ends = ends.to(device=dev, dtype=torch.int32).clamp(max=W).contiguous()
     base = base.to(device=dev, dtype=torch.int64).contiguous()
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 4
+                              or group & (group - 1)):  # fmt: skip
+        raise ValueError(f"group: expected a power of two >= 4, got {group!r}")
     if short_rows == "all":  # every row short (the caller's guarantee): step 0 only, a program per row
         kp = _pow2(k)
         warps = max(1, min(8, kp // 128))
@@ -437,9 +445,21 @@ def topk_ascending(
         short_kernel[(R,)](scores, scores.stride(0), starts, ends, base, out, out.stride(0), k, KP=kp,
                            num_warps=warps)  # fmt: skip
         return out
-    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 4
-                              or group & (group - 1)):  # fmt: skip
-        raise ValueError(f"group: expected a power of two >= 4, got {group!r}")
+    consts = _launch_consts(W, k, tile, num_warps, capg, group, ways, vsteps, split2, split4, maxnreg, short_rows)
+    group = consts["G"]
+    cut = _rows_in_storage(scores, -(-W // group) * group)
+    if cut > 0:
+        _launch(scores[:cut], starts[:cut], ends[:cut], base[:cut], out[:cut], consts, programs)
+    if cut < R:  # rows whose last group would be read past the storage: from a padded copy
+        rest = torch.nn.functional.pad(scores[cut:], (0, -W % group), value=-float("inf"))
+        _launch(rest, starts[cut:], ends[cut:], base[cut:], out[cut:], consts, programs)
+    return out
+
+
+def _launch_consts(W: int, k: int, tile, num_warps, capg, group, ways: int, vsteps: int, split2: tuple, split4: tuple,
+                   maxnreg, short_rows) -> dict:  # fmt: skip
+    """The compile-time constants and launch options of ``select_kernel`` for rows of ``W``
+    columns (:func:`topk_ascending`'s arguments, ``vsteps`` and the splits resolved), checked."""
     capg_req = capg
     warps = num_warps or _default_warps(W, k, group)
     tile, group, ng, capg = _sizes(W, k, tile or 512 * warps, capg, group)
@@ -470,13 +490,7 @@ def topk_ascending(
     maxnreg = _DEFAULT_MAXNREG if maxnreg is None and warps <= 8 else maxnreg
     if maxnreg:
         consts["maxnreg"] = maxnreg
-    cut = _rows_in_storage(scores, -(-W // group) * group)
-    if cut > 0:
-        _launch(scores[:cut], starts[:cut], ends[:cut], base[:cut], out[:cut], consts, programs)
-    if cut < R:  # rows whose last group would be read past the storage: from a padded copy
-        rest = torch.nn.functional.pad(scores[cut:], (0, -W % group), value=-float("inf"))
-        _launch(rest, starts[cut:], ends[cut:], base[cut:], out[cut:], consts, programs)
-    return out
+    return consts
 
 
 def _check_split(name: str, split) -> tuple:

@@ -856,3 +856,15 @@ def test_model_pools_divide_as_torch_does():
     got = ts.pools_model(k, gates, torch.zeros(K, D), starts)
     # (torch's CPU softmax gives other bits on these pools: the CUDA rule is the reference)
     assert torch.equal(got.view(torch.int16), cuda_pooling_steps(k, gates, torch.zeros(K, D), starts).view(torch.int16))
+
+
+def test_short_rows_all_never_writes_outside_a_row():
+    # short_rows="all" with a row that breaks the guarantee (40 cells, k 3: a tile of 4): that
+    # row's ids are wrong, but nothing outside its row of out is written (the others exact)
+    s = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+    big = torch.full((5, 7), 777, dtype=torch.int32)
+    starts, ends, base = torch.tensor([0, 0, 0]), torch.tensor([3, 40, 2]), torch.zeros(3, dtype=torch.int64)
+    tk.topk_ascending(s, starts, ends, base, 3, short_rows="all", out=big[1:4, 2:5])
+    want = exact_ascending(s, starts, ends, base, 3)
+    assert torch.equal(big[1:4, 2:5][[0, 2]], want[[0, 2]])
+    assert bool((big[[0, 4]] == 777).all() and (big[:, [0, 1, 5, 6]] == 777).all())
