@@ -72,7 +72,7 @@ def scorer_alone_ms(base, precision: str):
 
 
 def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list[int]) -> list[dict]:
-    out, first_of = [], {}
+    out, first_of, alone = [], {}, {}  # alone: the scorer alone per precision (the BF16 arms share TileLang's)
     for precision, name in arms:
         base = problem(case, precision, H, topk)
         be = BACKENDS[name]
@@ -82,7 +82,9 @@ def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list
             log(r)
             out.append(r)
             continue
-        scorer, scorer_ms = scorer_alone_ms(base, precision)
+        if precision not in alone:
+            alone[precision] = scorer_alone_ms(base, precision)
+        scorer, scorer_ms = alone[precision]
         first = None
         for mib in budgets:
             p = dataclasses.replace(base, config=dataclasses.replace(base.config, max_logits_bytes=mib * 2**20))

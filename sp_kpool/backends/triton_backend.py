@@ -14,9 +14,9 @@ fixed by the row, the pool and the heads only (so every sharding gives the same 
 the TileLang scorer's order: the ids of the two backends are equal up to near-ties.
 
 H in {32, 64, 128}, D 128, BF16 queries and keys; other shapes run on ``tilelang``. On an
-H200 (2026-12-04, the reference slice: 32768 rows x 32768 pools) the scorer takes 14.7 ms at
-H 32 and 28.2 ms at H 64, against TileLang's 17.6 and 30.8 ms
-(``benchmarks/results/h200-cu130-torch2.11/``).
+H200 (2026-12-04, the reference slice: 32768 rows x 32768 pools) the scorer takes 14.1-14.2 ms
+at H 32 (the rows on the accumulator's lane bits, 00b90ab) and 27.3-28.2 ms at H 64, against
+TileLang's 17.4-17.8 and 30.8-31.1 ms (``benchmarks/results/h200-cu130-torch2.11/``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def bf16_pools(problem: Problem, pools: PoolInputs) -> Pools:
     :func:`~sp_kpool.kernels.triton_serving.pools_serving` (with the pools' compression
     order, ``pools.extend``); each is bitwise equal to its torch ops, which run instead when
     Triton is missing (or, in ``bf16``, when the keys are not BF16 or the pool shape is not
-    one :func:`~sp_kpool.kernels.triton_serving.pools_model_supports`)."""
+    one :func:`~sp_kpool.kernels.triton_serving.pools_model_supports`). Returns
+    :class:`~sp_kpool.backends.base.Pools` with ``keys`` ``[P, D]`` bfloat16 (``P`` the pools
+    of ``pools.pool_tok_start``) and ``scales`` ``None``."""
     args = (pools.k, pools.gates, problem.ape, pools.pool_tok_start)
     triton = probe("triton")[0] is not None
     if problem.precision == "bf16":  # the model definition: one order, no schedule
@@ -70,7 +72,7 @@ def score_triton(problem: Problem, q, w, keys, scales, starts, ends, backend: st
     """A chunk's logits by the dense mode of :mod:`sp_kpool.kernels.triton_fp8_fused`:
     ``q [C, H, 128]``, ``w [C, H]`` folded FP32 weights, ``keys [n, 128]`` and ``scales [n]``
     (FP8), or BF16 ``q`` and ``keys`` with ``scales=None``; ``starts``/``ends [C]`` int32.
-    Returns ``[C, n]`` FP32 scores, column ``c`` pool ``lo + c``; cells outside each row's
+    Returns ``[C, n]`` FP32 scores, column ``c`` the pool ``keys[c]``; cells outside each row's
     range ``-inf`` where a reader needs it, else unwritten (as ``fp8_mqa_logits`` without
     ``clean_logits``). Raises if the logits storage exceeds the call's budget (the message
     names ``backend``)."""

@@ -23,7 +23,7 @@ HEADS = (32, 64, 128)
 
 
 def _run(cache, H, total, ws, rank, lengths, precision="bf16"):
-    key = ("triton", H, total, precision)
+    key = ("triton", H, total, ws, rank, tuple(lengths or ()), precision)
     if key not in cache:
         p = rank_slice_problem(total, ws, rank, heads=H, head_dim=128, topk=2048, lengths=lengths, seed=H,
                                precision=precision)  # fmt: skip
