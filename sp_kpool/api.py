@@ -116,8 +116,10 @@ def kpool_topk(
             the partition (``partition``), the real rows this rank scored
             (``rows_scored``: ``(lo, hi)``, or a list of ``[lo, hi]`` runs in the
             interleaved layouts), their causal pairs (``causal_pairs``), the cells of the
-            chunk grid scored (``scored_cells``: zero rows included, so more than
-            ``causal_pairs`` where a layout leaves rows of a chunk to other ranks), the
+            scoring calls (``scored_cells``: zero rows included, so more than
+            ``causal_pairs`` where a layout leaves rows of a chunk to other ranks; the
+            ``deepgemm`` and ``triton`` backends score a chunk's rows from its first to
+            its last row computed here, the others the whole chunk), the
             pools built here (``pools_built``) and the ``layout``. Never compared across
             ranks; only this rank's view.
 

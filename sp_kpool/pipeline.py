@@ -141,7 +141,8 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
             pool_in = None if pools is not None else PoolInputs(problem.k, problem.gates, plan.pool_tok_start,
                                                                 plan.extend)  # fmt: skip
             q_span, w_span = span.lay(q_rows[offset : offset + n]), span.lay(w_rows[offset : offset + n])
-            built, queries = backend.prepare(problem, pool_in, QueryInputs(q_span, w_span, span.lo, *plan.padding()))
+            pad = (0, 0) if backend.row_local_scores else plan.padding()  # zero rows for the partial chunks
+            built, queries = backend.prepare(problem, pool_in, QueryInputs(q_span, w_span, span.lo, *pad))
         pools = pools if pools is not None else built
         selected = select_chunks(backend, problem, pools, queries, plan, record)  # 6. score and select
         parts.append(span.pick(selected))
@@ -222,6 +223,18 @@ def _counters(counters: dict) -> dict:
     return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in counters.items()}
 
 
+def _scored_cells(spans, row_local: bool) -> int:
+    """The (row, pool) cells of the scoring calls made here, zero rows included: whole
+    chunks, or with ``row_local`` (:attr:`~sp_kpool.backends.base.Backend.row_local_scores`)
+    the rows of each chunk computed here (:func:`sp_kpool.scoring.chunk_calls`)."""
+    total = 0
+    for plan, _ in spans:
+        for c in plan.chunks:
+            rows = min(c.end, plan.hi_row) - max(c.first, plan.lo_row) if row_local else plan.rows
+            total += rows * max(0, c.pool_hi - c.pool_lo)
+    return total
+
+
 def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
     problem, options, part = call.problem, call.options, call.partition
     seq, kpool = problem.seq, problem.kpool
@@ -246,8 +259,7 @@ def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
         partition=part.as_dict() if part is not None else None,
         rows_scored=scored,
         causal_pairs=causal,
-        # the (row, pool) cells of the chunk grid scored here, zero rows included
-        scored_cells=sum(plan.rows * (c.pool_hi - c.pool_lo) for plan, _ in computed.spans for c in plan.chunks),
+        scored_cells=_scored_cells(computed.spans, call.backend.row_local_scores),
         layout=seq.layout,
         pools=int(pts.numel()),
         pools_built=_pools_built(seq, pts, kpool) if options.gather == "pools" else int(pts.numel()),

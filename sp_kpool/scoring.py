@@ -26,9 +26,12 @@ __all__ = ["ChunkCall", "chunk_calls", "score_chunk", "select_chunks"]
 @dataclass(frozen=True)
 class ChunkCall:
     """One scoring call: ``chunk`` of the plan, the rows ``[a, b)`` of it computed here,
-    the ``C`` prepared rows ``q``, ``w`` laid on the chunk (zero rows not computed here),
-    and every row's ``starts``/``ends`` ``[C]`` int32 relative to ``chunk.pool_lo``
-    (empty for rows not computed here). ``q`` is ``None`` for a chunk without pools."""
+    the prepared rows ``q``, ``w`` of the call, and each call row's ``starts``/``ends``
+    int32 relative to ``chunk.pool_lo`` (empty for rows not computed here). The call's row
+    ``i`` is the chunk's row ``skip + i``: the whole chunk (``skip`` 0, ``C`` rows, the rows
+    not computed here zero rows), or, for a backend with
+    :attr:`~sp_kpool.backends.base.Backend.row_local_scores`, only the rows ``[a, b)``.
+    ``q`` is ``None`` for a chunk without pools."""
 
     chunk: Chunk
     a: int
@@ -37,16 +40,25 @@ class ChunkCall:
     w: Any = None
     starts: torch.Tensor | None = None
     ends: torch.Tensor | None = None
+    skip: int = 0
+
+    @property
+    def rows(self) -> slice:
+        """The call rows of ``[a, b)`` (the rows of the call's scores to select from)."""
+        return slice(self.a - self.chunk.first - self.skip, self.b - self.chunk.first - self.skip)
 
 
-def chunk_calls(plan: ChunkPlan, queries: Queries, *, views_first: bool = True) -> Iterator[ChunkCall]:
+def chunk_calls(plan: ChunkPlan, queries: Queries, *, views_first: bool = True,
+                row_local: bool = False) -> Iterator[ChunkCall]:  # fmt: skip
     """The scoring calls of ``plan`` for the prepared rows ``queries``.
 
     A chunk whose rows the prepared tensors cover is scored from views of them; the others
-    from zero-padded copies (one host call per tensor). ``views_first``: the chunks scored
-    from views come first, so the host reaches the first scoring call sooner (a cold call's
-    device waits for it); the chunks are independent, so the order changes no result.
-    Without it the chunks come in row order (what the parity replay walks)."""
+    from views of their rows computed here (``row_local``: the backend's
+    :attr:`~sp_kpool.backends.base.Backend.row_local_scores`), or else from zero-padded
+    copies (one host call per tensor) of the chunk's shape. ``views_first``: the chunks
+    scored from whole views come first, so the host reaches the first scoring call sooner
+    (a cold call's device waits for it); the chunks are independent, so the order changes
+    no result. Without it the chunks come in row order (what the parity replay walks)."""
     C, first = plan.rows, queries.first
     ranges = plan.ranges if plan.chunks else None
     p1 = first + queries.q.shape[0]  # the prepared rows are the global rows [first, p1)
@@ -60,6 +72,11 @@ def chunk_calls(plan: ChunkPlan, queries: Queries, *, views_first: bool = True) 
             continue
         if whole[i]:  # views, no copies (rows not ours are zero rows of the padding)
             qc, wc = queries.rows(c.first - first, c.first - first + C)
+        elif row_local:  # views of the rows here: a cell's bits do not depend on the call's rows
+            lo, hi = i * C + a - c.first, i * C + b - c.first
+            qc, wc = queries.rows(a - first, b - first)
+            yield ChunkCall(c, a, b, qc, wc, ranges[0, lo:hi], ranges[1, lo:hi], skip=a - c.first)
+            continue
         else:  # the call has the same shape and row positions whichever rank computes it
             qc, wc = queries.rows(a - first, b - first)
             qc, wc = pad_rows(qc, a - c.first, c.first + C - b), pad_rows(wc, a - c.first, c.first + C - b)
@@ -93,7 +110,7 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
     out = None
     unscored = []  # rows of chunks without pools
     cu = problem.seq.real_cu_seq_lens.tolist()  # document boundaries (host): the selector's short-row hint
-    for call in chunk_calls(plan, queries):
+    for call in chunk_calls(plan, queries, row_local=backend.row_local_scores):
         a, b, c = call.a, call.b, call.chunk
         if call.q is None:
             unscored.append((a, b))
@@ -107,7 +124,7 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
                 _add_counts(record.counters, fused.name, counts)
             continue
         sc = score_chunk(backend, problem, pools, call, record)
-        rows = slice(a - c.first, b - c.first)
+        rows = call.rows
         col0: Any = c.pool_lo
         row_starts, row_ends = call.starts[rows], call.ends[rows]
         if sc.col_offset is not None:  # request-local columns: column j of row r is pool lo + offset[r] + j

@@ -628,7 +628,7 @@ class _TritonFused(FusedSelector):
         scales = None if pools.scales is None else pools.scales[c.pool_lo : c.pool_hi]  # (BF16: none)
         _, emitted = score_select(
             call.q, call.w, pools.keys[c.pool_lo : c.pool_hi], scales, call.starts, call.ends,
-            problem.topk // problem.kpool, rows=(call.a - c.first, call.b - c.first), pool_base=c.pool_lo, out=out,
+            problem.topk // problem.kpool, rows=(call.rows.start, call.rows.stop), pool_base=c.pool_lo, out=out,
         )  # fmt: skip
         return {"candidates": emitted.sum(), "candidates_max": emitted.max(), "overflow_rows": 0}
 

@@ -220,6 +220,14 @@ class Backend:
     #: Per-row constant of the balance work model, in (row, pool) scores (see
     #: :mod:`sp_kpool.balance`): a row's fixed cost besides its visible pools.
     balance_row_cost: int = ROW_COST
+    #: ``True``: every score cell is a function of its row's prepared inputs, its pool and the
+    #: heads only, never of the call's other rows or of the row's position in the call (the
+    #: Triton scorer and DeepGEMM: one dot product and one head chain per cell). The pipeline
+    #: then scores a chunk that this rank covers only in part from a view of its rows here,
+    #: and asks :meth:`prepare` for no zero rows around them. ``False`` (a BLAS ``matmul``,
+    #: whose sum order may depend on the call's shape): such a chunk is scored as ``C`` rows,
+    #: the others zero rows, so every rank makes the same call for it.
+    row_local_scores: bool = False
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         """Why this backend cannot run ``problem`` (empty list: it can)."""

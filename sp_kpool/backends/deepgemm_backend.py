@@ -79,6 +79,9 @@ class DeepGemmBackend(Backend):
     max_chunk_rows = 1 << 16
     #: Per-row constant of the balance work model (see TileLangBackend): b / a ~ 11500.
     balance_row_cost = 11500
+    #: DeepGEMM's and the Triton kernel's logit is one chain per (row, pool) cell (contract §8):
+    #: partial chunks are scored as their rows here, and the query kernel writes no zero rows.
+    row_local_scores = True
     heads_supported = (32, 64, 128)
     #: Heads that DeepGEMM's ``fp8_mqa_logits`` scores (SM90: 32 and 64; 2.5 refuses 128, measured);
     #: the others are scored by the Triton kernel of the same arithmetic (module doc).

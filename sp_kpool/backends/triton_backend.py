@@ -97,6 +97,8 @@ class TritonBackend(Backend):
     #: Per-row constant of the balance work model: ``tilelang``'s fit (5900), not refitted for
     #: this scorer (a constant of the partition only; the ids do not depend on it).
     balance_row_cost = 5900
+    #: One dot and one head chain per (row, pool) cell: partial chunks are scored as their rows here.
+    row_local_scores = True
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         reasons = super().not_supported_reasons(problem) + bf16_gpu_reasons(problem)

@@ -599,3 +599,39 @@ def test_short_row_hint_equals_the_rows_it_describes():
         assert (hint == "all") == every, (cu, a, b, k, kpool, hint)
         if hint != "all":
             assert hint == want
+
+
+@pytest.mark.parametrize("world_size, rank", [(3, 1), (4, 3), (2, 0)])
+def test_row_local_chunk_calls_are_the_padded_calls_rows_here(world_size, rank):
+    # a backend with row_local_scores scores a partial chunk from views of its rows here:
+    # the same rows, ranges and positions as the padded call's rows [a, b), and nothing else
+    from sp_kpool.backends.base import Queries
+    from sp_kpool.plan import plan_chunks
+    from sp_kpool.scoring import chunk_calls
+    from sp_kpool.testing.problems import rank_slice_problem
+
+    lengths, kpool = [3, 0, 11, 1, 17, 4, 9, 30], 4
+    p = rank_slice_problem(sum(lengths), world_size, rank, heads=2, head_dim=8, kpool=kpool, topk=4 * kpool,
+                           lengths=lengths, device="cpu")  # fmt: skip
+    lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
+    plan = plan_chunks(p.seq, kpool, 8, lo, hi, torch.device("cpu"), cache=False)
+    q = torch.arange(1, 1 + (hi - lo) * 6, dtype=torch.float32).reshape(hi - lo, 3, 2)
+    w = torch.arange(1, 1 + (hi - lo) * 3, dtype=torch.float32).reshape(hi - lo, 3)
+    queries = Queries(q, w, lo)  # no zero rows around: partial chunks at both ends
+    padded = list(chunk_calls(plan, queries, views_first=False))
+    local = list(chunk_calls(plan, queries, views_first=False, row_local=True))
+    assert [(c.a, c.b, c.chunk.index) for c in padded] == [(c.a, c.b, c.chunk.index) for c in local]
+    partial = 0
+    for pc, lc in zip(padded, local):
+        if pc.q is None:
+            assert lc.q is None
+            continue
+        assert pc.q.shape[0] == plan.rows and lc.q.shape[0] == lc.b - lc.a
+        partial += lc.skip > 0 or lc.q.shape[0] < plan.rows
+        assert lc.skip == (lc.a - lc.chunk.first if lc.q.shape[0] < plan.rows else 0)
+        for t in ("q", "w", "starts", "ends"):
+            assert torch.equal(getattr(pc, t)[pc.rows], getattr(lc, t)[lc.rows]), t
+        assert lc.q.data_ptr() == q[lc.a - lo].data_ptr()  # a view, not a copy
+        if lc.q.shape[0] == lc.b - lc.a:  # every call row is a row here
+            assert lc.rows == slice(0, lc.b - lc.a)
+    assert partial  # the case has partial chunks

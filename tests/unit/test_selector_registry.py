@@ -69,7 +69,7 @@ class _ScoreThenSelect(FusedSelector):
     def score_select(self, backend, problem, pools, call, out):
         c = call.chunk
         sc = backend.score(problem, pools, call.q, call.w, c.pool_lo, c.pool_hi, call.starts, call.ends)
-        rows = slice(call.a - c.first, call.b - c.first)
+        rows = call.rows
         starts, ends = call.starts[rows], call.ends[rows]
         cols = torch.arange(c.pool_hi - c.pool_lo)
         visible = (cols[None] >= starts[:, None]) & (cols[None] < ends[:, None])
