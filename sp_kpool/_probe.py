@@ -29,13 +29,26 @@ def probe(module: str) -> tuple[object | None, str | None]:
 
 def cuda_reason(device) -> str | None:
     """Why a CUDA kernel cannot run on ``device`` (``None``: it can)."""
-    import torch
-
     if device.type != "cuda":
         return f"needs a CUDA device, inputs are on {device}"
+    if device.index is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        return _cuda_device_reason(torch.cuda.current_device())
+    return _cuda_device_reason(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_reason(index: int) -> str | None:
+    """:func:`cuda_reason` of CUDA device ``index``, asked once per process and device (every
+    call resolves its backend)."""
+    import torch
+
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = torch.cuda.get_device_capability(index)
     if major < 9:
         return f"needs compute capability >= 9.0 (Hopper), device has {major}.x"
     return None
