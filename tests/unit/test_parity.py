@@ -301,6 +301,31 @@ def test_replayed_scores_are_the_drivers_own_calls(tmp_path, monkeypatch):
     assert first_ends[:3].tolist() == [0, 0, 0] and int(first_ends[3:].min()) > 0  # rows 42-44 belong to rank 0
 
 
+class _RowLocal(_Recording):
+    name = "record-row-local"
+    row_local_scores = True  # as deepgemm and triton: a partial chunk is scored as its rows here
+
+
+def test_replay_makes_the_drivers_row_local_calls(tmp_path, monkeypatch):
+    """With ``row_local_scores`` the driver scores the chunk straddling the shards as its
+    rows here (rows 45-47 of 42-47), and the replay makes that same call and compares the
+    same values (the torch FP8 arithmetic gives every cell the same bits in any call)."""
+    rec = _RowLocal()
+    monkeypatch.setitem(BACKENDS, "record-row-local", rec)
+    kw = dict(tokens=90, hidden_size=HIDDEN, q_lora_rank=Q_LORA, heads=H, head_dim=D, topk=T, kpool=K)
+    paths = make_synthetic_capture(tmp_path, world_size=2, max_logits_bytes=3000, **kw)
+    rep = replay(paths[1], "fp8:record-row-local", "fp8:torch", repeat=False)
+    assert rep["diff"]["scores"]["bitwise_equal_slots"] == rep["diff"]["scores"]["compared"] > 0
+    assert rep["diff"]["ids_bitwise_equal"]
+    n = len(rec.calls) // 2
+    assert n == 8 and len(rec.calls) == 2 * n
+    rows = [c[4].shape[0] for c in rec.calls]
+    assert rows[:n] == [6] * 7 + [3] and rows[n:] == [3] + [6] * 7  # driver: partial chunk last; replay: row order
+    for x, y in zip(rec.calls[:n], rec.calls[n + 1 :] + rec.calls[n : n + 1]):
+        assert x[:2] == y[:2] and all(torch.equal(u, v) for u, v in zip(x[2:], y[2:]))
+    assert int(rec.calls[n][3].min()) > 0  # every row of the call is a row of this rank
+
+
 # ---------------------------------------------------------------- several ranks
 
 
