@@ -14,7 +14,8 @@
    them (:mod:`sp_kpool.balance`);
 4. **plan**: the chunk grid of the rows scored here and its tables (:mod:`sp_kpool.plan`;
    one span of rows in the contiguous layout, one per group of nearby runs in the
-   interleaved ones);
+   interleaved ones; the global grid, or for a backend with ``row_local_scores`` equal
+   chunks of the span, :func:`~sp_kpool.plan.local_chunks`);
 5. **pool and prepare**: the backend's pools (unless gathered) and prepared query rows,
    in one step (:meth:`~sp_kpool.backends.base.Backend.prepare`);
 6. **score and select**: chunk by chunk (:mod:`sp_kpool.scoring`);
@@ -55,7 +56,7 @@ from .backends.base import PoolInputs, Pools, Problem, Queries, QueryInputs
 from .balance import move_queries, route_pools, row_work
 from .comm import gather_keys, real_order, take_rows
 from .config import KPoolConfig, RunOptions
-from .plan import ChunkPlan, Span, plan_chunks, rank_spans
+from .plan import ChunkPlan, Span, local_chunks, plan_chunks, rank_spans
 from .pool_gather import gather_pools, pool_owners, pool_shards
 from .pooling import pool_table
 from .scoring import select_chunks
@@ -129,8 +130,9 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     k_sel = problem.topk // problem.kpool
     pools, queries, parts, offset, done = pooled, None, [], 0, []
     for span in spans or [Span(0, 0)]:
-        plan = plan_chunks(seq, problem.kpool, C, span.lo, span.hi, device, runs=span.runs,
-                           cache=problem.settings.table_cache)  # 4. plan  # fmt: skip
+        rows, origin = local_chunks(span, C) if backend.row_local_scores else (C, 0)
+        plan = plan_chunks(seq, problem.kpool, rows, span.lo, span.hi, device, runs=span.runs,
+                           cache=problem.settings.table_cache, origin=origin)  # 4. plan  # fmt: skip
         n = span.rows
         if not plan.chunks:  # no rows scored here, or no complete pool at all
             parts.append(torch.full((n, k_sel), -1, dtype=torch.int32, device=device))

@@ -44,15 +44,16 @@ from .pooling import extend_pools
 from .selection import RowMeta, row_meta
 
 __all__ = ["Chunk", "ChunkPlan", "TableCache", "Span", "plan_chunks", "row_spans", "rank_spans", "grid_span",
-           "pad_rows", "row_ranges_torch"]  # fmt: skip
+           "local_chunks", "pad_rows", "row_ranges_torch"]  # fmt: skip
 
 
-def grid_span(C: int, lo_row: int, hi_row: int) -> tuple[int, int]:
+def grid_span(C: int, lo_row: int, hi_row: int, origin: int = 0) -> tuple[int, int]:
     """``(first, end)``: the global rows that the chunks of ``C`` rows holding ``[lo_row,
-    hi_row)`` cover (``first <= lo_row``, ``end >= hi_row``, multiples of ``C`` apart)."""
+    hi_row)`` cover (``first <= lo_row``, ``end >= hi_row``, multiples of ``C`` apart), on
+    the grid of chunks starting at ``origin + j * C`` (``origin <= lo_row``)."""
     if hi_row <= lo_row:
         return lo_row, lo_row
-    first = (lo_row // C) * C
+    first = origin + ((lo_row - origin) // C) * C
     return first, first + -(-(hi_row - first) // C) * C
 
 
@@ -116,6 +117,20 @@ def row_spans(runs, C: int, rows: torch.Tensor | None = None) -> list[Span]:
     return spans
 
 
+def local_chunks(span: Span, C: int) -> tuple[int, int]:
+    """``(rows, origin)`` of the chunks that a backend with
+    :attr:`~sp_kpool.backends.base.Backend.row_local_scores` scores ``span`` in: the fewest
+    chunks of at most ``C`` rows, of equal rows (the last one shorter by less than their
+    number), starting at the span's first row. Such a backend's cell bits do not depend on
+    the call's rows, so any chunks give the same ids; equal ones store the least logits at
+    once (the global grid can leave a chunk of ``C`` rows next to one of a few rows)."""
+    n = span.hi - span.lo
+    if n <= 0:
+        return C, 0
+    count = -(-n // C)
+    return -(-n // count), span.lo
+
+
 def rank_spans(seq, C: int, *, cache: bool = True) -> list[Span]:
     """The :class:`Span` s of ``seq``'s real rows on this rank (:func:`row_spans` of
     ``seq.runs``) in chunks of ``C`` rows: one span in the contiguous layout, one per group
@@ -166,18 +181,20 @@ class ChunkPlan:
     bounds: torch.Tensor
     extend: torch.Tensor | None = None
     runs: tuple[tuple[int, int], ...] | None = None
+    #: the grid's chunks start at ``origin + j * rows`` (0: the global grid)
+    origin: int = 0
     _ranges: torch.Tensor | None = field(default=None, repr=False)
     _meta: RowMeta | None = field(default=None, repr=False)
 
     @property
     def first(self) -> int:
         """Global row of the first chunk's first row."""
-        return grid_span(self.rows, self.lo_row, self.hi_row)[0]
+        return grid_span(self.rows, self.lo_row, self.hi_row, self.origin)[0]
 
     def padding(self) -> tuple[int, int]:
         """``(before, after)``: zero rows in front of and behind ``[lo_row, hi_row)`` out to
         the edges of its chunks."""
-        first, end = grid_span(self.rows, self.lo_row, self.hi_row)
+        first, end = grid_span(self.rows, self.lo_row, self.hi_row, self.origin)
         return self.lo_row - first, end - self.hi_row
 
     @property
@@ -212,9 +229,12 @@ class ChunkPlan:
 
 
 def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, *,
-                runs: tuple[tuple[int, int], ...] | None = None, cache: bool = True) -> ChunkPlan:  # fmt: skip
+                runs: tuple[tuple[int, int], ...] | None = None, cache: bool = True,
+                origin: int = 0) -> ChunkPlan:  # fmt: skip
     """The :class:`ChunkPlan` of real rows ``[lo_row, hi_row)`` of ``seq`` in chunks of
-    ``C`` rows (host arithmetic on the document boundaries only, one copy to ``device``).
+    ``C`` rows (host arithmetic on the document boundaries only, one copy to ``device``),
+    the chunks of the grid starting at ``origin + j * C`` (``origin <= lo_row``; 0, the
+    global grid, gives every rank the same chunks).
 
     ``runs``: the ``(lo, hi)`` runs of the rows computed here when not all of
     ``[lo_row, hi_row)`` are (a :class:`Span`'s); the others get empty pool ranges.
@@ -224,18 +244,19 @@ def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch
     """
 
     def build() -> ChunkPlan:
-        return _build(seq, kpool, C, lo_row, hi_row, device, runs)
+        return _build(seq, kpool, C, lo_row, hi_row, device, runs, origin)
 
     if not cache:
         return build()
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     # the boundaries by value too: an in-place change of seq.cu_seq_lens is another plan
     key = (tuple(seq.cu_seq_lens.tolist()), seq.padding_docs, seq.prompt_lens, kpool, C, lo_row, hi_row, runs,
-           device, stream)  # fmt: skip
+           device, stream, origin)  # fmt: skip
     return seq.batch.get("plans", key, build)
 
 
-def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, runs=None) -> ChunkPlan:
+def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, runs=None,
+           origin: int = 0) -> ChunkPlan:  # fmt: skip
     K = kpool
     cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
     offs = [0]
@@ -248,7 +269,7 @@ def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.devi
         def doc(r):  # document of the real row r
             return bisect.bisect_right(cu, r) - 1
 
-        for i, g0 in enumerate(range(*grid_span(C, lo_row, hi_row), C)):
+        for i, g0 in enumerate(range(*grid_span(C, lo_row, hi_row, origin), C)):
             g1 = min(g0 + C, seq.num_real_tokens)
             d0, d1 = doc(g0), doc(g1 - 1)
             chunks.append(Chunk(i, g0, g1, offs[d0], offs[d1] + (g1 - 1 - cu[d1] + 1) // K))
@@ -265,7 +286,8 @@ def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.devi
     extend = flat[3 * n - 1 + nb :] != 0 if ext is not None else None
     pid = torch.arange(P, device=device)
     pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
-    return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds, extend, runs=runs)
+    return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds, extend, runs=runs,
+                     origin=origin)  # fmt: skip
 
 
 def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:

@@ -307,9 +307,10 @@ class _RowLocal(_Recording):
 
 
 def test_replay_makes_the_drivers_row_local_calls(tmp_path, monkeypatch):
-    """With ``row_local_scores`` the driver scores the chunk straddling the shards as its
-    rows here (rows 45-47 of 42-47), and the replay makes that same call and compares the
-    same values (the torch FP8 arithmetic gives every cell the same bits in any call)."""
+    """With ``row_local_scores`` the driver scores its rows [45, 90) in chunks of its own
+    (``plan.local_chunks``: 8 chunks from row 45, the last of 3 rows, no row of rank 0), and
+    the replay makes those same calls and compares the same values (the torch FP8
+    arithmetic gives every cell the same bits in any call)."""
     rec = _RowLocal()
     monkeypatch.setitem(BACKENDS, "record-row-local", rec)
     kw = dict(tokens=90, hidden_size=HIDDEN, q_lora_rank=Q_LORA, heads=H, head_dim=D, topk=T, kpool=K)
@@ -320,10 +321,10 @@ def test_replay_makes_the_drivers_row_local_calls(tmp_path, monkeypatch):
     n = len(rec.calls) // 2
     assert n == 8 and len(rec.calls) == 2 * n
     rows = [c[4].shape[0] for c in rec.calls]
-    assert rows[:n] == [6] * 7 + [3] and rows[n:] == [3] + [6] * 7  # driver: partial chunk last; replay: row order
-    for x, y in zip(rec.calls[:n], rec.calls[n + 1 :] + rec.calls[n : n + 1]):
+    assert rows == ([6] * 7 + [3]) * 2  # the driver's calls, then the replay's, in row order both
+    for x, y in zip(rec.calls[:n], rec.calls[n:]):
         assert x[:2] == y[:2] and all(torch.equal(u, v) for u, v in zip(x[2:], y[2:]))
-    assert int(rec.calls[n][3].min()) > 0  # every row of the call is a row of this rank
+    assert all(int(c[3].min()) > 0 for c in rec.calls)  # no zero row of empty range: every row is this rank's
 
 
 # ---------------------------------------------------------------- several ranks

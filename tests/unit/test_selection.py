@@ -635,3 +635,16 @@ def test_row_local_chunk_calls_are_the_padded_calls_rows_here(world_size, rank):
         if lc.q.shape[0] == lc.b - lc.a:  # every call row is a row here
             assert lc.rows == slice(0, lc.b - lc.a)
     assert partial  # the case has partial chunks
+
+
+def test_local_chunks_are_the_fewest_equal_chunks_from_the_span_start():
+    from sp_kpool.plan import Span, grid_span, local_chunks
+
+    assert local_chunks(Span(45, 90), 6) == (6, 45)  # 8 chunks, the last of 3 rows
+    assert local_chunks(Span(98304, 131072), 16256) == (10923, 98304)  # 3 chunks, not 15488 + 16256 + 1024 rows
+    assert local_chunks(Span(7, 100), 500) == (93, 7)
+    assert local_chunks(Span(5, 5), 8) == (8, 0)
+    for lo, hi, C in [(45, 90, 6), (98304, 131072, 16256), (3, 1000, 7), (0, 1, 1)]:
+        rows, origin = local_chunks(Span(lo, hi), C)
+        first, end = grid_span(rows, lo, hi, origin)
+        assert rows <= C and first == lo and end - rows < hi <= end and (end - lo) // rows == -(-(hi - lo) // C)
