@@ -104,27 +104,30 @@ def staged(name, p, reps=5):
 
 
 def deepgemm_chunked(p, fn, q8, wq, kv):
-    """DeepGEMM alone, as the pipeline calls it: the same chunk plan and row ranges
-    (:func:`sp_kpool.plan.plan_chunks`), zero rows around the rows of partial chunks (the
-    pipeline's views of its padded buffer hold the same values), the same kv slices
-    (inputs built outside the timing), ``clean_logits=False``."""
-    from sp_kpool.pipeline import num_pools
-    from sp_kpool.plan import pad_rows, plan_chunks
+    """DeepGEMM alone, as the pipeline calls it: the same chunks and calls
+    (:func:`sp_kpool.plan.local_chunks`, :func:`sp_kpool.scoring.chunk_calls` of the rows
+    ``q8``/``wq`` of the shard), the same kv slices (inputs built outside the timing),
+    ``clean_logits=False``."""
+    from sp_kpool.agreement import call_of
+    from sp_kpool.backends.base import Queries
+    from sp_kpool.config import RunOptions
+    from sp_kpool.plan import Span, local_chunks, plan_chunks
+    from sp_kpool.scoring import chunk_calls
 
     be = BACKENDS["deepgemm"]
     seq = p.seq
     lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    C = be.chunk_rows(p, num_pools(seq, p.kpool))
-    plan = plan_chunks(seq, p.kpool, C, lo_row, hi_row, p.device, cache=False)
+    C = call_of(p, RunOptions(backend="deepgemm")).chunk
+    rows, origin = local_chunks(Span(lo_row, hi_row), C) if be.row_local_scores else (C, 0)
+    plan = plan_chunks(seq, p.kpool, rows, lo_row, hi_row, p.device, cache=False, origin=origin)
+    before, after = (0, 0) if be.row_local_scores else plan.padding()
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (before, after))  # noqa: E731
     calls = []
-    for c in plan.chunks:
-        a, b = max(c.first, lo_row), min(c.end, hi_row)
-        qc = pad_rows(q8[a - lo_row : b - lo_row], a - c.first, c.first + C - b)
-        wc = pad_rows(wq[a - lo_row : b - lo_row], a - c.first, c.first + C - b)
+    for call in chunk_calls(plan, Queries(pad(q8), pad(wq), lo_row - before), row_local=be.row_local_scores):
+        c = call.chunk
         shift = c.pool_lo % 4  # as DeepGemmBackend.score: kv slices start at a multiple of 4 pools
-        rs = plan.ranges[:, c.index * C : (c.index + 1) * C]
-        calls.append((qc, (kv[0][c.pool_lo - shift : c.pool_hi], kv[1][c.pool_lo - shift : c.pool_hi]), wc,
-                      rs[0] + shift, rs[1] + shift))  # fmt: skip
+        calls.append((call.q, (kv[0][c.pool_lo - shift : c.pool_hi], kv[1][c.pool_lo - shift : c.pool_hi]), call.w,
+                      call.starts + shift, call.ends + shift))  # fmt: skip
 
     def run():
         for c in calls:

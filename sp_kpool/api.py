@@ -118,8 +118,8 @@ def kpool_topk(
             interleaved layouts), their causal pairs (``causal_pairs``), the cells of the
             scoring calls (``scored_cells``: zero rows included, so more than
             ``causal_pairs`` where a layout leaves rows of a chunk to other ranks; the
-            ``deepgemm`` and ``triton`` backends score a chunk's rows from its first to
-            its last row computed here, the others the whole chunk), the
+            ``deepgemm`` and ``triton`` backends score each span of their rows in chunks
+            of their own, the others whole chunks of the global grid), the
             pools built here (``pools_built``) and the ``layout``. Never compared across
             ranks; only this rank's view.
 
