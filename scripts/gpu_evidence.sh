@@ -5,6 +5,9 @@
 #   bash scripts/gpu_evidence.sh ranks   OUTDIR   # torchrun NCCL over every GPU, GPU arms, scale options
 #   bash scripts/gpu_evidence.sh scale   OUTDIR   # scripts/bench.py under torchrun + parity replays + mpirun
 #   bash scripts/gpu_evidence.sh perf    OUTDIR   # bench_kernels.py + scripts/bench.py, library defaults only
+#   bash scripts/gpu_evidence.sh chunks  OUTDIR   # the row-local chunks (plan.local_chunks): bench_budget on the
+#                                                 # slice (time, peak memory, 2 and 1 GiB) and packed64, and the
+#                                                 # GPU tests that check their ids (every rank and layout, fused)
 set -uo pipefail
 part=$1
 out=$2
@@ -42,6 +45,18 @@ case $part in
     if command -v mpirun >/dev/null; then
       timeout 120 mpirun -np "$ngpu" --allow-run-as-root --oversubscribe python3 -m mpi4py scripts/mpirun_smoke.py 2>&1 | tail -n 8 | tee "$out/mpirun.log"
     fi
+    ;;
+  chunks)
+    timeout 170 python3 scripts/bench_budget.py --cases W --heads 32,64 --arms fp8:deepgemm,bf16:triton \
+      --budgets 2048,1024 --out "$out" 2>&1 | filter > "$out/bench_budget_W.log"
+    mv "$out/bench_budget.json" "$out/bench_budget_W.json" 2>/dev/null
+    timeout 60 python3 scripts/bench_budget.py --cases packed64 --heads 32,64 --arms fp8:deepgemm,bf16:triton \
+      --budgets 2048 --out "$out" 2>&1 | filter > "$out/bench_budget_packed64.log"
+    mv "$out/bench_budget.json" "$out/bench_budget_packed64.json" 2>/dev/null
+    grep "^{" "$out"/bench_budget_*.log | cut -c1-420
+    timeout 150 python3 -m pytest tests/gpu/test_ranks.py -q -k "deepgemm or triton" --junitxml="$out/ranks.xml" 2>&1 | tail -n 2
+    timeout 150 python3 -m pytest tests/gpu/test_fused_fp8.py -q -k "whole_call and not 8192 and not 128" \
+      --junitxml="$out/fused_whole_call.xml" 2>&1 | tail -n 2
     ;;
   perf)
     timeout 200 python3 scripts/bench_kernels.py --torch-baseline --out "$out" 2>&1 | filter > "$out/bench_kernels.log"
