@@ -302,3 +302,23 @@ def test_triton_backend_takes_any_strides(monkeypatch, what):
     config = KPoolConfig(topk=TOPK, kpool=K, precision="bf16", max_logits_bytes=64 * 7 * 9 * 4)
     got = run_gathered(d, seq, config, RunOptions(backend="triton"), settings).ids
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "zigzag-per-document", "positions"])
+@pytest.mark.parametrize("backend,precision", [("deepgemm", "fp8"), ("triton", "bf16")])
+def test_row_local_backends_in_interleaved_layouts(monkeypatch, backend, precision, layout):
+    # spans with rows of other ranks between their runs, in chunks of their own
+    # (plan.local_chunks) smaller than the span: the torch backend's ids on every rank
+    from sp_kpool.testing.problems import layout_seqs, random_rank_positions
+
+    x = exact_inputs(LENGTHS, 32, 128, seed=len(layout))
+    total = sum(LENGTHS)
+    if layout == "positions":
+        seqs = layout_seqs(x.cu_seq_lens, 2, rank_positions=random_rank_positions(total, 2, seed=3))
+    else:
+        seqs = layout_seqs(x.cu_seq_lens, 2, layout)
+    budget = legacy_row_bytes(32) * 6 if backend == "deepgemm" else 7 * 9 * 4  # chunks of a few rows
+    ref, got = both(monkeypatch, x, 2, backend, precision, budget, dict(layout="legacy") if backend == "deepgemm"
+                    else None, seqs=seqs)  # fmt: skip
+    assert torch.equal(got, ref)
+    assert int((ref >= 0).sum()) > 0
