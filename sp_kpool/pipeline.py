@@ -37,8 +37,8 @@ first scoring launch; the stages are arranged so that the host reaches it soon:
   with **one** non-blocking copy (pinned memory: a pageable copy would wait for every
   kernel queued before it), and cached on the sequence, so later layers skip them;
 * pools and queries are prepared in one launch where the backend can (FP8: one Triton
-  kernel), and the FP8 query kernel writes the zero rows of the chunk grid itself, so
-  chunks are scored from views (no padded copies);
+  kernel); chunks are scored from views of the prepared rows, no padded copies, on the
+  backends with ``row_local_scores`` (their chunks hold rows of this rank's span only);
 * chunks scored from views are launched first; the output rows are allocated after the
   first scoring launch, and the rows' metadata (small kernels) after the last;
 * the selector writes straight into the output rows and needs no host synchronisation.

@@ -13,6 +13,12 @@ size 1::
     chunks      .         [- 5 6 7] [8 9 10 -]           (- : zero row, empty range)
     pool range  of chunk [4, 8): the pools visible to rows 4..7 of the global sequence
 
+A backend whose score cells do not depend on the call's rows
+(:attr:`~sp_kpool.backends.base.Backend.row_local_scores`: ``deepgemm``, ``triton``) needs
+no common grid: the pipeline plans each span of its rows on a grid of its own
+(:func:`local_chunks`: equal chunks of at most ``C`` rows from the span's first row,
+``ChunkPlan.origin``), and a chunk it covers in part is scored from its rows there.
+
 This module is the only place the grid is computed: the pipeline (:mod:`sp_kpool.pipeline`)
 and the parity replay both iterate :attr:`ChunkPlan.chunks`.
 

@@ -124,7 +124,8 @@ class DeepGemmBackend(Backend):
 
     def prepare(self, problem: Problem, pools: PoolInputs | None, queries: QueryInputs | None):
         """Pools (E4M3 values and UE8M0 scales) and queries (rotated E4M3, scales folded into
-        FP32 head weights, zero rows written around them by the kernel), both in one kernel
+        FP32 head weights, ``queries.before`` / ``after`` zero rows written around them by
+        the kernel: none from the pipeline, ``row_local_scores``), both in one kernel
         launch when both are asked for (``triton_serving.prepare_fp8``: bit for bit the
         values of the two separate kernels)."""
         from ..kernels import triton_serving as ts
