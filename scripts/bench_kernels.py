@@ -105,25 +105,24 @@ def staged(name, p, reps=5):
 
 def deepgemm_chunked(p, fn, q8, wq, kv):
     """DeepGEMM alone, as the pipeline calls it: the same chunks and calls
-    (:func:`sp_kpool.plan.local_chunks`, :func:`sp_kpool.scoring.chunk_calls` of the rows
+    (:func:`sp_kpool.plan.plan_chunks`, :func:`sp_kpool.scoring.chunk_calls` of the rows
     ``q8``/``wq`` of the shard), the same kv slices (inputs built outside the timing),
     ``clean_logits=False``."""
     from sp_kpool.agreement import call_of
     from sp_kpool.backends.base import Queries
     from sp_kpool.config import RunOptions
-    from sp_kpool.plan import Span, local_chunks, plan_chunks
+    from sp_kpool.plan import pad_rows, plan_chunks
     from sp_kpool.scoring import chunk_calls
 
     be = BACKENDS["deepgemm"]
     seq = p.seq
     lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
     C = call_of(p, RunOptions(backend="deepgemm")).chunk
-    rows, origin = local_chunks(Span(lo_row, hi_row), C) if be.row_local_scores else (C, 0)
-    plan = plan_chunks(seq, p.kpool, rows, lo_row, hi_row, p.device, cache=False, origin=origin)
-    before, after = (0, 0) if be.row_local_scores else plan.padding()
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (before, after))  # noqa: E731
+    plan = plan_chunks(seq, p.kpool, C, lo_row, hi_row, p.device, cache=False, row_local=be.row_local_scores)
+    before, after = plan.padding()
     calls = []
-    for call in chunk_calls(plan, Queries(pad(q8), pad(wq), lo_row - before), row_local=be.row_local_scores):
+    queries = Queries(pad_rows(q8, before, after), pad_rows(wq, before, after), lo_row - before)
+    for call in chunk_calls(plan, queries):
         c = call.chunk
         shift = c.pool_lo % 4  # as DeepGemmBackend.score: kv slices start at a multiple of 4 pools
         calls.append((call.q, (kv[0][c.pool_lo - shift : c.pool_hi], kv[1][c.pool_lo - shift : c.pool_hi]), call.w,

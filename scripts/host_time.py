@@ -26,7 +26,7 @@ import torch
 from sp_kpool.backends import BACKENDS
 from sp_kpool.backends.base import PoolInputs, QueryInputs
 from sp_kpool.pipeline import num_pools, solve
-from sp_kpool.plan import Span, local_chunks, plan_chunks
+from sp_kpool.plan import plan_chunks
 from sp_kpool.testing.problems import reference_slice_problem
 
 
@@ -49,11 +49,10 @@ def main():
         torch.cuda._sleep(40_000_000)  # ~20 ms on an H200
         t = [time.perf_counter()]
         p.seq.tables.clear()
-        C = be.chunk_rows(p, num_pools(p.seq, p.kpool))
-        rows, origin = local_chunks(Span(lo, hi), C) if be.row_local_scores else (C, 0)  # as the pipeline
-        plan = plan_chunks(p.seq, p.kpool, rows, lo, hi, p.device, origin=origin)
+        plan = plan_chunks(p.seq, p.kpool, be.chunk_rows(p, num_pools(p.seq, p.kpool)), lo, hi, p.device,
+                           row_local=be.row_local_scores)  # fmt: skip
         t.append(time.perf_counter())
-        before, after = (0, 0) if be.row_local_scores else plan.padding()
+        before, after = plan.padding()
         be.prepare(p, PoolInputs(p.k, p.gates, plan.pool_tok_start),
                    QueryInputs(p.q[: hi - lo], p.head_weights[: hi - lo], lo, before, after))  # fmt: skip
         t.append(time.perf_counter())

@@ -15,7 +15,7 @@
 4. **plan**: the chunk grid of the rows scored here and its tables (:mod:`sp_kpool.plan`;
    one span of rows in the contiguous layout, one per group of nearby runs in the
    interleaved ones; the global grid, or for a backend with ``row_local_scores`` equal
-   chunks of the span, :func:`~sp_kpool.plan.local_chunks`);
+   chunks of the span's own, :func:`~sp_kpool.plan.local_chunks`);
 5. **pool and prepare**: the backend's pools (unless gathered) and prepared query rows,
    in one step (:meth:`~sp_kpool.backends.base.Backend.prepare`);
 6. **score and select**: chunk by chunk (:mod:`sp_kpool.scoring`);
@@ -56,7 +56,7 @@ from .backends.base import PoolInputs, Pools, Problem, Queries, QueryInputs
 from .balance import move_queries, route_pools, row_work
 from .comm import gather_keys, real_order, take_rows
 from .config import KPoolConfig, RunOptions
-from .plan import ChunkPlan, Span, local_chunks, plan_chunks, rank_spans
+from .plan import ChunkPlan, Span, plan_chunks, rank_spans
 from .pool_gather import gather_pools, pool_owners, pool_shards
 from .pooling import pool_table
 from .scoring import select_chunks
@@ -130,9 +130,8 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     k_sel = problem.topk // problem.kpool
     pools, queries, parts, offset, done = pooled, None, [], 0, []
     for span in spans or [Span(0, 0)]:
-        rows, origin = local_chunks(span, C) if backend.row_local_scores else (C, 0)
-        plan = plan_chunks(seq, problem.kpool, rows, span.lo, span.hi, device, runs=span.runs,
-                           cache=problem.settings.table_cache, origin=origin)  # 4. plan  # fmt: skip
+        plan = plan_chunks(seq, problem.kpool, C, span.lo, span.hi, device, runs=span.runs,  # 4. plan
+                           cache=problem.settings.table_cache, row_local=backend.row_local_scores)  # fmt: skip
         n = span.rows
         if not plan.chunks:  # no rows scored here, or no complete pool at all
             parts.append(torch.full((n, k_sel), -1, dtype=torch.int32, device=device))
@@ -143,8 +142,7 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
             pool_in = None if pools is not None else PoolInputs(problem.k, problem.gates, plan.pool_tok_start,
                                                                 plan.extend)  # fmt: skip
             q_span, w_span = span.lay(q_rows[offset : offset + n]), span.lay(w_rows[offset : offset + n])
-            pad = (0, 0) if backend.row_local_scores else plan.padding()  # zero rows for the partial chunks
-            built, queries = backend.prepare(problem, pool_in, QueryInputs(q_span, w_span, span.lo, *pad))
+            built, queries = backend.prepare(problem, pool_in, QueryInputs(q_span, w_span, span.lo, *plan.padding()))
         pools = pools if pools is not None else built
         selected = select_chunks(backend, problem, pools, queries, plan, record)  # 6. score and select
         parts.append(span.pick(selected))
@@ -225,15 +223,15 @@ def _counters(counters: dict) -> dict:
     return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in counters.items()}
 
 
-def _scored_cells(spans, row_local: bool) -> int:
+def _scored_cells(spans) -> int:
     """The (row, pool) cells of the scoring calls made here, zero rows included: whole
-    chunks, or with ``row_local`` (:attr:`~sp_kpool.backends.base.Backend.row_local_scores`)
-    the rows of each chunk computed here (:func:`sp_kpool.scoring.chunk_calls`)."""
+    chunks, or in a :attr:`~sp_kpool.plan.ChunkPlan.row_local` plan the rows of each chunk
+    computed here (:func:`sp_kpool.scoring.chunk_calls`)."""
     total = 0
     for plan, _ in spans:
         for c in plan.chunks:
-            rows = min(c.end, plan.hi_row) - max(c.first, plan.lo_row) if row_local else plan.rows
-            total += rows * max(0, c.pool_hi - c.pool_lo)
+            a, b = plan.computed(c)
+            total += (b - a if plan.row_local else plan.rows) * max(0, c.pool_hi - c.pool_lo)
     return total
 
 
@@ -261,7 +259,7 @@ def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
         partition=part.as_dict() if part is not None else None,
         rows_scored=scored,
         causal_pairs=causal,
-        scored_cells=_scored_cells(computed.spans, call.backend.row_local_scores),
+        scored_cells=_scored_cells(computed.spans),
         layout=seq.layout,
         pools=int(pts.numel()),
         pools_built=_pools_built(seq, pts, kpool) if options.gather == "pools" else int(pts.numel()),

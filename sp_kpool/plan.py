@@ -16,8 +16,9 @@ size 1::
 A backend whose score cells do not depend on the call's rows
 (:attr:`~sp_kpool.backends.base.Backend.row_local_scores`: ``deepgemm``, ``triton``) needs
 no common grid: the pipeline plans each span of its rows on a grid of its own
-(:func:`local_chunks`: equal chunks of at most ``C`` rows from the span's first row,
-``ChunkPlan.origin``), and a chunk it covers in part is scored from its rows there.
+(``plan_chunks(row_local=True)``: :func:`local_chunks`, equal chunks of at most ``C`` rows
+from the span's first row), and its chunks are scored from views of its rows, without
+zero rows (:attr:`ChunkPlan.row_local`).
 
 This module is the only place the grid is computed: the pipeline (:mod:`sp_kpool.pipeline`)
 and the parity replay both iterate :attr:`ChunkPlan.chunks`.
@@ -123,18 +124,17 @@ def row_spans(runs, C: int, rows: torch.Tensor | None = None) -> list[Span]:
     return spans
 
 
-def local_chunks(span: Span, C: int) -> tuple[int, int]:
-    """``(rows, origin)`` of the chunks that a backend with
-    :attr:`~sp_kpool.backends.base.Backend.row_local_scores` scores ``span`` in: the fewest
-    chunks of at most ``C`` rows, of equal rows (the last one shorter by less than their
-    number), starting at the span's first row. Such a backend's cell bits do not depend on
-    the call's rows, so any chunks give the same ids; equal ones store the least logits at
-    once (the global grid can leave a chunk of ``C`` rows next to one of a few rows)."""
-    n = span.hi - span.lo
+def local_chunks(lo_row: int, hi_row: int, C: int) -> int:
+    """Rows per chunk of the rows ``[lo_row, hi_row)`` for a backend with
+    :attr:`~sp_kpool.backends.base.Backend.row_local_scores`: the fewest chunks of at most
+    ``C`` rows, of equal rows (the last one shorter by less than their number), on a grid
+    starting at ``lo_row``. Such a backend's cell bits do not depend on the call's rows, so
+    any chunks give the same ids; equal ones store the least logits at once (the global
+    grid can leave a chunk of ``C`` rows next to one of a few rows)."""
+    n = hi_row - lo_row
     if n <= 0:
-        return C, 0
-    count = -(-n // C)
-    return -(-n // count), span.lo
+        return C
+    return -(-n // -(-n // C))
 
 
 def rank_spans(seq, C: int, *, cache: bool = True) -> list[Span]:
@@ -187,20 +187,29 @@ class ChunkPlan:
     bounds: torch.Tensor
     extend: torch.Tensor | None = None
     runs: tuple[tuple[int, int], ...] | None = None
-    #: the grid's chunks start at ``origin + j * rows`` (0: the global grid)
-    origin: int = 0
+    #: ``True``: the chunks of a backend with ``row_local_scores`` (a grid starting at
+    #: ``lo_row``, :func:`local_chunks`; scored from views of the rows computed here, no zero
+    #: rows: :meth:`padding` is ``(0, 0)``); ``False``: the global grid
+    row_local: bool = False
     _ranges: torch.Tensor | None = field(default=None, repr=False)
     _meta: RowMeta | None = field(default=None, repr=False)
 
     @property
     def first(self) -> int:
         """Global row of the first chunk's first row."""
-        return grid_span(self.rows, self.lo_row, self.hi_row, self.origin)[0]
+        return grid_span(self.rows, self.lo_row, self.hi_row, self.lo_row if self.row_local else 0)[0]
+
+    def computed(self, chunk: Chunk) -> tuple[int, int]:
+        """``(a, b)``: the rows of ``chunk`` in ``[lo_row, hi_row)``."""
+        return max(chunk.first, self.lo_row), min(chunk.end, self.hi_row)
 
     def padding(self) -> tuple[int, int]:
-        """``(before, after)``: zero rows in front of and behind ``[lo_row, hi_row)`` out to
-        the edges of its chunks."""
-        first, end = grid_span(self.rows, self.lo_row, self.hi_row, self.origin)
+        """``(before, after)``: the zero rows that the prepared query rows need in front of and
+        behind ``[lo_row, hi_row)``: out to the edges of the chunks, ``(0, 0)`` with
+        :attr:`row_local` (chunks scored from views of the rows computed here)."""
+        if self.row_local:
+            return 0, 0
+        first, end = grid_span(self.rows, self.lo_row, self.hi_row)
         return self.lo_row - first, end - self.hi_row
 
     @property
@@ -236,11 +245,12 @@ class ChunkPlan:
 
 def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, *,
                 runs: tuple[tuple[int, int], ...] | None = None, cache: bool = True,
-                origin: int = 0) -> ChunkPlan:  # fmt: skip
+                row_local: bool = False) -> ChunkPlan:  # fmt: skip
     """The :class:`ChunkPlan` of real rows ``[lo_row, hi_row)`` of ``seq`` in chunks of
-    ``C`` rows (host arithmetic on the document boundaries only, one copy to ``device``),
-    the chunks of the grid starting at ``origin + j * C`` (``origin <= lo_row``; 0, the
-    global grid, gives every rank the same chunks).
+    ``C`` rows on the global grid (host arithmetic on the document boundaries only, one copy
+    to ``device``): every rank gets the same chunks. ``row_local`` (the backend's
+    :attr:`~sp_kpool.backends.base.Backend.row_local_scores`): chunks of
+    :func:`local_chunks` rows on a grid starting at ``lo_row`` instead.
 
     ``runs``: the ``(lo, hi)`` runs of the rows computed here when not all of
     ``[lo_row, hi_row)`` are (a :class:`Span`'s); the others get empty pool ranges.
@@ -250,20 +260,23 @@ def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch
     """
 
     def build() -> ChunkPlan:
-        return _build(seq, kpool, C, lo_row, hi_row, device, runs, origin)
+        return _build(seq, kpool, C, lo_row, hi_row, device, runs, row_local)
 
     if not cache:
         return build()
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     # the boundaries by value too: an in-place change of seq.cu_seq_lens is another plan
     key = (tuple(seq.cu_seq_lens.tolist()), seq.padding_docs, seq.prompt_lens, kpool, C, lo_row, hi_row, runs,
-           device, stream, origin)  # fmt: skip
+           device, stream, row_local)  # fmt: skip
     return seq.batch.get("plans", key, build)
 
 
 def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, runs=None,
-           origin: int = 0) -> ChunkPlan:  # fmt: skip
+           row_local: bool = False) -> ChunkPlan:  # fmt: skip
     K = kpool
+    origin = 0
+    if row_local:
+        C, origin = local_chunks(lo_row, hi_row, C), lo_row
     cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
     offs = [0]
     for d in range(len(cu) - 1):
@@ -293,7 +306,7 @@ def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.devi
     pid = torch.arange(P, device=device)
     pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
     return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds, extend, runs=runs,
-                     origin=origin)  # fmt: skip
+                     row_local=row_local)  # fmt: skip
 
 
 def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:

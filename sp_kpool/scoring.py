@@ -29,8 +29,8 @@ class ChunkCall:
     the prepared rows ``q``, ``w`` of the call, and each call row's ``starts``/``ends``
     int32 relative to ``chunk.pool_lo`` (empty for rows not computed here). The call's row
     ``i`` is the chunk's row ``skip + i``: the whole chunk (``skip`` 0, ``C`` rows, the rows
-    not computed here zero rows), or, for a backend with
-    :attr:`~sp_kpool.backends.base.Backend.row_local_scores`, only the rows ``[a, b)``.
+    not computed here zero rows), or, in a :attr:`~sp_kpool.plan.ChunkPlan.row_local`
+    plan, only the rows ``[a, b)``.
     ``q`` is ``None`` for a chunk without pools."""
 
     chunk: Chunk
@@ -48,14 +48,12 @@ class ChunkCall:
         return slice(self.a - self.chunk.first - self.skip, self.b - self.chunk.first - self.skip)
 
 
-def chunk_calls(plan: ChunkPlan, queries: Queries, *, views_first: bool = True,
-                row_local: bool = False) -> Iterator[ChunkCall]:  # fmt: skip
+def chunk_calls(plan: ChunkPlan, queries: Queries, *, views_first: bool = True) -> Iterator[ChunkCall]:
     """The scoring calls of ``plan`` for the prepared rows ``queries``.
 
     A chunk whose rows the prepared tensors cover is scored from views of them; the others
-    from views of their rows computed here (``row_local``: the backend's
-    :attr:`~sp_kpool.backends.base.Backend.row_local_scores`), or else from zero-padded
-    copies (one host call per tensor) of the chunk's shape. ``views_first``: the chunks
+    from views of their rows computed here (:attr:`~sp_kpool.plan.ChunkPlan.row_local`),
+    or else from zero-padded copies (one host call per tensor) of the chunk's shape. ``views_first``: the chunks
     scored from whole views come first, so the host reaches the first scoring call sooner
     (a cold call's device waits for it); the chunks are independent, so the order changes
     no result. Without it the chunks come in row order (what the parity replay walks)."""
@@ -66,13 +64,13 @@ def chunk_calls(plan: ChunkPlan, queries: Queries, *, views_first: bool = True,
     order = sorted(range(len(whole)), key=lambda i: not whole[i]) if views_first else range(len(whole))
     for i in order:
         c = plan.chunks[i]
-        a, b = max(c.first, plan.lo_row), min(c.end, plan.hi_row)  # rows of this chunk computed here
+        a, b = plan.computed(c)
         if c.pool_hi <= c.pool_lo:
             yield ChunkCall(c, a, b)
             continue
         if whole[i]:  # views, no copies (rows not ours are zero rows of the padding)
             qc, wc = queries.rows(c.first - first, c.first - first + C)
-        elif row_local:  # views of the rows here: a cell's bits do not depend on the call's rows
+        elif plan.row_local:  # views of the rows here: a cell's bits do not depend on the call's rows
             lo, hi = i * C + a - c.first, i * C + b - c.first
             qc, wc = queries.rows(a - first, b - first)
             yield ChunkCall(c, a, b, qc, wc, ranges[0, lo:hi], ranges[1, lo:hi], skip=a - c.first)
@@ -110,7 +108,7 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
     out = None
     unscored = []  # rows of chunks without pools
     cu = problem.seq.real_cu_seq_lens.tolist()  # document boundaries (host): the selector's short-row hint
-    for call in chunk_calls(plan, queries, row_local=backend.row_local_scores):
+    for call in chunk_calls(plan, queries):
         a, b, c = call.a, call.b, call.chunk
         if call.q is None:
             unscored.append((a, b))

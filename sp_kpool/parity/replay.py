@@ -201,8 +201,7 @@ def _valid_scores(r: _ArmRun, repeat: bool, stats: dict):
     empty = torch.zeros(0, dtype=torch.float32, device=dev)
     end = None
     for call in (call for plan, queries in c.spans if queries is not None
-                 for call in chunk_calls(plan, queries, views_first=False,
-                                         row_local=c.call.backend.row_local_scores)):  # fmt: skip
+                 for call in chunk_calls(plan, queries, views_first=False)):  # fmt: skip
         a, e, ch = call.a, call.b, call.chunk
         if end is not None and a > end:  # rows between spans: not this rank's
             yield end, a, empty

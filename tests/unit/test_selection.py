@@ -619,7 +619,8 @@ def test_row_local_chunk_calls_are_the_padded_calls_rows_here(world_size, rank):
     w = torch.arange(1, 1 + (hi - lo) * 3, dtype=torch.float32).reshape(hi - lo, 3)
     queries = Queries(q, w, lo)  # no zero rows around: partial chunks at both ends
     padded = list(chunk_calls(plan, queries, views_first=False))
-    local = list(chunk_calls(plan, queries, views_first=False, row_local=True))
+    # the global grid's chunks, called as a row-local plan calls a chunk it covers in part
+    local = list(chunk_calls(dataclasses.replace(plan, row_local=True), queries, views_first=False))
     assert [(c.a, c.b, c.chunk.index) for c in padded] == [(c.a, c.b, c.chunk.index) for c in local]
     partial = 0
     for pc, lc in zip(padded, local):
@@ -638,13 +639,20 @@ def test_row_local_chunk_calls_are_the_padded_calls_rows_here(world_size, rank):
 
 
 def test_local_chunks_are_the_fewest_equal_chunks_from_the_span_start():
-    from sp_kpool.plan import Span, grid_span, local_chunks
+    from sp_kpool.plan import local_chunks, plan_chunks
+    from sp_kpool.testing.problems import rank_slice_problem
 
-    assert local_chunks(Span(45, 90), 6) == (6, 45)  # 8 chunks, the last of 3 rows
-    assert local_chunks(Span(98304, 131072), 16256) == (10923, 98304)  # 3 chunks, not 15488 + 16256 + 1024 rows
-    assert local_chunks(Span(7, 100), 500) == (93, 7)
-    assert local_chunks(Span(5, 5), 8) == (8, 0)
-    for lo, hi, C in [(45, 90, 6), (98304, 131072, 16256), (3, 1000, 7), (0, 1, 1)]:
-        rows, origin = local_chunks(Span(lo, hi), C)
-        first, end = grid_span(rows, lo, hi, origin)
-        assert rows <= C and first == lo and end - rows < hi <= end and (end - lo) // rows == -(-(hi - lo) // C)
+    assert local_chunks(45, 90, 6) == 6  # 8 chunks, the last of 3 rows
+    assert local_chunks(98304, 131072, 16256) == 10923  # 3 chunks, not 15488 + 16256 + 1024 rows
+    assert local_chunks(7, 100, 500) == 93
+    assert local_chunks(5, 5, 8) == 8
+    lengths = [3, 0, 11, 1, 17, 4, 9, 30]
+    for ws, rank, C in [(2, 1, 6), (3, 1, 7), (4, 3, 100), (1, 0, 1)]:
+        p = rank_slice_problem(sum(lengths), ws, rank, heads=2, head_dim=8, kpool=4, topk=16, lengths=lengths,
+                               device="cpu")  # fmt: skip
+        lo, hi = p.seq.shard_start, min(p.seq.shard_end, p.seq.num_real_tokens)
+        plan = plan_chunks(p.seq, 4, C, lo, hi, torch.device("cpu"), cache=False, row_local=True)
+        rows = plan.rows
+        assert rows <= C and plan.first == lo and plan.padding() == (0, 0)
+        assert [c.first for c in plan.chunks] == list(range(lo, hi, rows)) and len(plan.chunks) == -(-(hi - lo) // C)
+        assert all(plan.computed(c) == (c.first, min(c.first + rows, hi)) for c in plan.chunks)
