@@ -8,6 +8,8 @@
 #   bash scripts/gpu_evidence.sh chunks  OUTDIR   # the row-local chunks (plan.local_chunks): bench_budget on the
 #                                                 # slice (time, peak memory, 2 and 1 GiB) and packed64, and the
 #                                                 # GPU tests that check their ids (every rank and layout, fused)
+#   bash scripts/gpu_evidence.sh cuda    OUTDIR   # the CUDA FP8 scorer (kernels/cuda_fp8_mqa.cu): its GPU tests
+#                                                 # (bitwise DeepGEMM), its SASS, bench_cuda_scorer.py on the slice
 set -uo pipefail
 part=$1
 out=$2
@@ -57,6 +59,20 @@ case $part in
     timeout 150 python3 -m pytest tests/gpu/test_ranks.py -q -k "deepgemm or triton" --junitxml="$out/ranks.xml" 2>&1 | tail -n 2
     timeout 150 python3 -m pytest tests/gpu/test_fused_fp8.py -q -k "whole_call and not 8192 and not 128" \
       --junitxml="$out/fused_whole_call.xml" 2>&1 | tail -n 2
+    ;;
+  cuda)
+    # the tests first, under a short limit: a wrong pipeline wait hangs rather than fails
+    timeout 240 python3 -m pytest tests/gpu/test_cuda_fp8_mqa.py -q -rA -x --junitxml="$out/cuda_fp8_mqa.xml" 2>&1 \
+      | filter > "$out/cuda_fp8_mqa.log"
+    echo "test_cuda_fp8_mqa rc=${PIPESTATUS[0]}: $(tail -n 1 "$out/cuda_fp8_mqa.log")"; grep "^FAILED\|^ERROR\|Error" "$out/cuda_fp8_mqa.log" | cut -c1-400 | head -n 8
+    lib=$(python3 -c "from sp_kpool.kernels import cuda_fp8_mqa as m; print(m.build())" 2>/dev/null)
+    if [ -n "$lib" ] && command -v cuobjdump >/dev/null; then
+      cuobjdump --dump-sass "$lib" > "$out/cuda_fp8_mqa.sass"
+      echo "SASS: QGMMA $(grep -c QGMMA "$out/cuda_fp8_mqa.sass"), HMMA $(grep -c HMMA "$out/cuda_fp8_mqa.sass"), FFMA $(grep -c FFMA "$out/cuda_fp8_mqa.sass"), FMUL $(grep -c FMUL "$out/cuda_fp8_mqa.sass"), FADD $(grep -c FADD "$out/cuda_fp8_mqa.sass")"
+      xz -9 "$out/cuda_fp8_mqa.sass"
+    fi
+    timeout 300 python3 scripts/bench_cuda_scorer.py --heads 32,64 --cases W --out "$out" 2>&1 | filter > "$out/bench_cuda_scorer.log"
+    cut -c1-1200 "$out/bench_cuda_scorer.log"
     ;;
   perf)
     timeout 200 python3 scripts/bench_kernels.py --torch-baseline --out "$out" 2>&1 | filter > "$out/bench_kernels.log"

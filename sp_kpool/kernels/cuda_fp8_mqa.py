@@ -1,0 +1,199 @@
+"""FP8 MQA scoring with DeepGEMM's per-logit arithmetic as a CUDA kernel of our own
+(``cuda_fp8_mqa.cu``, sm_90a): the first step of the fused design of issue #27, a
+warp-specialised scorer whose bits are DeepGEMM's ``fp8_mqa_logits`` and whose schedule is
+ours (query blocks sharing each pool tile, no stores), so that its speed can be compared
+with DeepGEMM's before a gate and candidate buffer are added to it.
+
+**Status: experimental, not used by any backend.** Written without a GPU; the tests under
+``tests/gpu/test_cuda_fp8_mqa.py`` check it against DeepGEMM bit for bit and
+``scripts/bench_cuda_scorer.py`` times it, on a Hopper GPU. On the CPU,
+``tests/unit/test_cuda_fp8_mqa_ptx.py`` compiles it for sm_90a and checks its PTX and SASS
+against DeepGEMM's template compiled the same way.
+
+Build: at the first :func:`score` call of a process, with the host's ``nvcc``
+(``$CUDA_HOME/bin/nvcc``, else ``nvcc`` on ``PATH``, else ``/usr/local/cuda/bin/nvcc``) into
+``$XDG_CACHE_HOME/sp_kpool/cuda`` (default ``~/.cache/sp_kpool/cuda``), named by a hash of
+the source, the flags and the compiler's version, so a changed source or compiler builds
+again and a built library is reused by later processes. Loaded with :mod:`ctypes`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["score", "nvcc", "compile_command", "build", "SOURCE", "HEADS", "MODES"]
+
+#: The kernel's source (package data).
+SOURCE = Path(__file__).with_name("cuda_fp8_mqa.cu")
+#: Index heads the kernel is compiled for.
+HEADS = (32, 64, 128)
+#: ``mode`` of :func:`score`, by the kernel's ``MODE`` template argument.
+MODES = {"dense": 0, "nostore": 1}
+#: The one target: wgmma and setmaxnreg need sm_90a (Hopper).
+ARCH = "-gencode=arch=compute_90a,code=sm_90a"
+FLAGS = ("-std=c++17", "-O3", ARCH)
+
+
+def nvcc() -> str | None:
+    """The path of the ``nvcc`` used to build the kernel, or ``None`` when none is found."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    for cand in ([os.path.join(home, "bin", "nvcc")] if home else []) + [shutil.which("nvcc") or "",
+                                                                           "/usr/local/cuda/bin/nvcc"]:  # fmt: skip
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def compile_command(compiler: str, output: str, *, ptx: bool = False, verbose: bool = False) -> list[str]:
+    """The ``nvcc`` command that builds :data:`SOURCE` into ``output``: the shared library
+    (``ptx=False``) or its PTX (``ptx=True``); ``verbose`` adds ptxas' resource report."""
+    kind = ["-ptx"] if ptx else ["-shared", "-Xcompiler", "-fPIC"]
+    return [compiler, *FLAGS, *kind, *(["-Xptxas", "-v"] if verbose else []), str(SOURCE), "-o", output]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sp_kpool" / "cuda"
+
+
+def build(compiler: str | None = None) -> Path:
+    """The path of the built library, building it first when the cache has none for this
+    source, these flags and this compiler. Raises ``RuntimeError`` naming the reason (no
+    ``nvcc``, or the compiler's own message)."""
+    compiler = compiler or nvcc()
+    if compiler is None:
+        raise RuntimeError("cuda_fp8_mqa: no nvcc found (set CUDA_HOME, or put nvcc on PATH)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, version)).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"cuda_fp8_mqa-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[sp_kpool] building {SOURCE.name} with {compiler} (about 10 s, once per source and compiler)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # same file system: the rename is atomic
+        out = os.path.join(tmp, lib.name)
+        done = subprocess.run(compile_command(compiler, out), capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"cuda_fp8_mqa: nvcc failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        os.replace(out, lib)
+    print(f"[sp_kpool] built {lib} in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    fn = lib.kpool_fp8_mqa
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    fn.argtypes = [i, i, i, p, p, ll, p, p, p, p, p, ll, p, i, i, i, p, ctypes.c_char_p, i]
+    fn.restype = i
+    return lib
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (q8's), got {t.device}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name}: its data must be 16-byte aligned (the tensor-memory accelerator's rule)")
+
+
+def score(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, ks: torch.Tensor,
+          ke: torch.Tensor, *, mode: str = "dense", q_blocks: int = 1, out: torch.Tensor | None = None,
+          grid: int | None = None) -> torch.Tensor | None:  # fmt: skip
+    """Scores every row of ``q8`` against the pools of ``k8`` with DeepGEMM's per-logit
+    arithmetic (module doc; the formula is in ``cuda_fp8_mqa.cu``), on the current stream.
+
+    q8: ``[S, H, 128]`` ``float8_e4m3fn``, contiguous, H in :data:`HEADS`.
+    weights: ``[S, H]`` ``float32``, contiguous (the folded head weights).
+    k8: ``[P, 128]`` ``float8_e4m3fn``, unit column stride, row stride a multiple of 16 bytes.
+    k_scale: ``[P]`` ``float32``, contiguous.
+    ks, ke: ``[S]`` ``int32``, contiguous: row ``i`` sees the pools ``[ks[i], ke[i])``.
+    mode: ``"dense"`` returns ``out`` (default a new ``[S, P]`` ``float32`` tensor filled with
+        ``-inf``) with ``out[i, p]`` the logit of row ``i`` and pool ``p`` for every ``p`` of
+        ``[ks[i], ke[i])``; columns outside that range but inside the pool tiles scored for
+        the row's task hold the scores of pools the row does not see (DeepGEMM's legacy
+        columns), the others are not written. ``"nostore"`` computes every logit and writes
+        none (times the scoring alone); returns ``None``.
+    q_blocks: query blocks (of ``128 / H`` rows) per task that share each pool tile, 1 or 2.
+    out: ``[S, >= P]`` ``float32`` with unit column stride (``mode="dense"``).
+    grid: most CTAs (default: the device's multiprocessor count).
+
+    Needs a CUDA device of compute capability 9.0 (the kernel is built for sm_90a only).
+    Raises ``TypeError``/``ValueError`` naming the argument, ``RuntimeError`` for the build
+    or the launch.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {list(MODES)}, got {mode!r}")
+    if q_blocks not in (1, 2):
+        raise ValueError(f"q_blocks: expected 1 or 2, got {q_blocks!r}")
+    if not isinstance(q8, torch.Tensor) or q8.dim() != 3:
+        raise ValueError(f"q8: expected a tensor [S, H, 128], got {getattr(q8, 'shape', type(q8).__name__)}")
+    S, H, D = q8.shape
+    dev = q8.device
+    if dev.type != "cuda":
+        raise ValueError(f"q8: expected a CUDA tensor, got device {dev}")
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        raise RuntimeError(f"cuda_fp8_mqa: needs compute capability 9.0 (Hopper), device {dev} has "
+                           f"{torch.cuda.get_device_capability(dev)}")  # fmt: skip
+    if H not in HEADS or D != 128:
+        raise ValueError(f"q8: expected H in {list(HEADS)} and 128 channels, got shape {list(q8.shape)}")
+    if S < 1 or k8.dim() != 2 or k8.shape[0] < 1:
+        raise ValueError(f"q8, k8: expected at least one row and one pool, got {list(q8.shape)}, {list(k8.shape)}")
+    P = k8.shape[0]
+    _check("q8", q8, torch.float8_e4m3fn, (S, H, 128), dev)
+    if not q8.is_contiguous():
+        raise ValueError("q8: expected a contiguous tensor")
+    _check("weights", weights, torch.float32, (S, H), dev)
+    _check("k8", k8, torch.float8_e4m3fn, (P, 128), dev)
+    if k8.stride(1) != 1 or k8.stride(0) % 16:
+        raise ValueError(f"k8: expected unit column stride and a row stride that is a multiple of 16, got strides "
+                         f"{list(k8.stride())}")  # fmt: skip
+    _check("k_scale", k_scale, torch.float32, (P,), dev)
+    for name, t in (("ks", ks), ("ke", ke)):
+        _check(name, t, torch.int32, (S,), dev)
+    for name, t in (("weights", weights), ("k_scale", k_scale), ("ks", ks), ("ke", ke)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor")
+    sink = None
+    if mode == "dense":
+        if out is None:
+            out = torch.full((S, P), float("-inf"), dtype=torch.float32, device=dev)
+        elif out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != S or out.shape[1] < P or out.stride(1) != 1:
+            raise ValueError(f"out: expected float32 [S={S}, >= P={P}] with unit column stride, got {out.dtype} "
+                             f"{list(out.shape)} strides {list(out.stride())}")  # fmt: skip
+        elif out.device != dev:
+            raise ValueError(f"out: expected device {dev}, got {out.device}")
+    else:
+        sink = torch.zeros(512, dtype=torch.int32, device=dev)
+    if grid is None:
+        grid = torch.cuda.get_device_properties(dev).multi_processor_count
+    err = ctypes.create_string_buffer(1024)
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        rc = _library().kpool_fp8_mqa(
+            H, q_blocks, MODES[mode], q8.data_ptr(), k8.data_ptr(), k8.stride(0), k_scale.data_ptr(),
+            weights.data_ptr(), ks.data_ptr(), ke.data_ptr(), out.data_ptr() if out is not None else None,
+            out.stride(0) if out is not None else 0, sink.data_ptr() if sink is not None else None, S, P, int(grid),
+            stream, err, len(err))  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"cuda_fp8_mqa: {err.value.decode(errors='replace')}")
+    return out

@@ -1,0 +1,96 @@
+"""The CUDA FP8 scorer (:mod:`sp_kpool.kernels.cuda_fp8_mqa`) on a Hopper GPU: its dense
+mode's logits bit for bit DeepGEMM's ``fp8_mqa_logits`` (``torch.equal`` on the int32 view of
+every in-range cell) at H 32 and 64, with one and two query blocks per pool tile, on random
+inputs, heavy ties, ReLU plateaus, NaN and infinities, rows not multiples of the tiles, empty
+rows and starts that are not multiples of 4; at H 128 (which DeepGEMM's SM90 API refuses)
+bit for bit the Triton kernel's dense mode, itself checked against DeepGEMM's chains
+(``test_fused_fp8.py``); repeated calls bitwise equal; the no-store mode runs to the end;
+argument errors on CUDA tensors. Run each file under a time limit: a wrong pipeline wait
+would hang (``scripts/gpu_evidence.sh cuda`` does)."""
+
+import pytest
+import torch
+
+from test_fused_fp8 import _inputs, _ranges  # the same input cases as the Triton kernel's tests
+
+pytestmark = [pytest.mark.requires("deep_gemm", "triton"), pytest.mark.xdist_group("gpu")]
+
+
+def _visible(starts, ends, P):
+    cols = torch.arange(P, device="cuda")
+    return (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
+
+
+def _odd_ranges(S, P, seed):
+    starts, ends = _ranges(S, P, seed)
+    starts[5], ends[5] = 7, 7  # an empty row
+    starts[6], ends[6] = 1, 2  # one pool, start not a multiple of 4
+    starts[7], ends[7] = P - 3, P  # the last pools only
+    return starts, ends
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "plateau", "nonfinite"])
+@pytest.mark.parametrize("q_blocks", [1, 2])
+@pytest.mark.parametrize("H", [32, 64])
+def test_dense_logits_are_deepgemms_bit_for_bit(H, q_blocks, case):
+    import deep_gemm
+
+    from sp_kpool.kernels import cuda_fp8_mqa as cu
+
+    S, P = 1021, 3001
+    q8, w, k8, scale = _inputs(S, H, P, seed=H + q_blocks, case=case)
+    starts, ends = _odd_ranges(S, P, seed=H)
+    ref = deep_gemm.fp8_mqa_logits(q8, (k8, scale), w, starts, ends, clean_logits=False)
+    got = cu.score(q8, w, k8, scale, starts, ends, q_blocks=q_blocks)
+    vis = _visible(starts, ends, P)
+    a, b = got[vis].view(torch.int32), ref[:, :P][vis].view(torch.int32)
+    bad = int((a != b).sum())
+    assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[:, :P][vis][a != b][:4]}"
+
+
+@pytest.mark.parametrize("q_blocks", [1, 2])
+@pytest.mark.parametrize("case", ["random", "ties", "plateau"])
+def test_h128_logits_are_the_triton_kernels(case, q_blocks):
+    from sp_kpool.kernels import cuda_fp8_mqa as cu
+    from sp_kpool.kernels import triton_fp8_fused as ff
+
+    S, P = 1021, 3001
+    q8, w, k8, scale = _inputs(S, 128, P, seed=7 + q_blocks, case=case)
+    starts, ends = _odd_ranges(S, P, seed=128)
+    ref = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True)
+    got = cu.score(q8, w, k8, scale, starts, ends, q_blocks=q_blocks)
+    vis = _visible(starts, ends, P)
+    assert torch.equal(got[vis].view(torch.int32), ref[vis].view(torch.int32))
+
+
+@pytest.mark.parametrize("H", [32, 64, 128])
+def test_repeated_calls_and_the_nostore_mode(H):
+    from sp_kpool.kernels import cuda_fp8_mqa as cu
+
+    S, P = 4099, 8191
+    q8, w, k8, scale = _inputs(S, H, P, seed=H, case="random")
+    starts, ends = _ranges(S, P, seed=H + 1)
+    first = cu.score(q8, w, k8, scale, starts, ends, q_blocks=2)
+    for _ in range(3):
+        assert torch.equal(cu.score(q8, w, k8, scale, starts, ends, q_blocks=2).view(torch.int32),
+                           first.view(torch.int32))  # fmt: skip
+    one = cu.score(q8, w, k8, scale, starts, ends, q_blocks=1)
+    vis = _visible(starts, ends, P)
+    assert torch.equal(one[vis].view(torch.int32), first[vis].view(torch.int32))
+    for q_blocks in (1, 2):
+        assert cu.score(q8, w, k8, scale, starts, ends, mode="nostore", q_blocks=q_blocks) is None
+    torch.cuda.synchronize()
+
+
+def test_argument_errors_on_cuda_tensors():
+    from sp_kpool.kernels import cuda_fp8_mqa as cu
+
+    S, P = 8, 64
+    q8, w, k8, scale = _inputs(S, 32, P, seed=0, case="random")
+    starts, ends = _ranges(S, P, seed=0)
+    with pytest.raises(ValueError, match="k_scale: its data must be 16-byte aligned"):
+        cu.score(q8, w, k8, torch.cat([scale, scale])[1 : P + 1], starts, ends)
+    with pytest.raises(TypeError, match="ks: expected dtype torch.int32, got torch.int64"):
+        cu.score(q8, w, k8, scale, starts.long(), ends)
+    with pytest.raises(ValueError, match=r"out: expected float32 \[S=8, >= P=64\]"):
+        cu.score(q8, w, k8, scale, starts, ends, out=torch.empty(8, 63, device="cuda"))
