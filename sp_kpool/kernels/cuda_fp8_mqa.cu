@@ -92,8 +92,35 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// Waits until the barrier's phase of the given parity has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+// Waits until the barrier's phase of the given parity has completed. Built with
+// -DKPOOL_DEBUG (cuda_fp8_mqa.py's debug=True), a wait that spins about 2^30 times (seconds)
+// prints which barrier, stage and parity it waited for and traps: a broken pipeline then
+// fails with its place instead of hanging.
+__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity, const char* what, int stage) {
+#ifdef KPOOL_DEBUG
+  for (uint64_t spins = 0; !mbar_try_wait(bar, parity); ++spins) {
+    if (spins == (uint64_t(1) << 30)) {
+      printf("kpool_fp8_mqa: block %d thread %d waited too long for %s[%d] parity %u\n", blockIdx.x, threadIdx.x,
+             what, stage, parity);
+      __trap();
+    }
+  }
+#else
+  (void)what, (void)stage;
   asm volatile(
       "{\n"
       ".reg .pred done;\n"
@@ -103,6 +130,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "}\n" ::"r"(smem_addr(bar)),
       "r"(parity)
       : "memory");
+#endif
 }
 
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
@@ -253,12 +281,12 @@ fp8_mqa_kernel(const int S, const int P, const long long stride, const int* __re
       int lo, tiles;
       task_range<H, NQB>(task, S, P, ks, ke, lo, tiles);
       const int qs = q_iter % kQStages;
-      mbar_wait(empty_q + qs, ((q_iter / kQStages) & 1) ^ 1);
+      mbar_wait(empty_q + qs, ((q_iter / kQStages) & 1) ^ 1, "empty_q", qs);
       mbar_expect_tx(full_q + qs, Sh::kQBytes);
       tma_load_2d(smem_q + qs * Sh::kQBytes, &map_q, 0, task * Sh::kRowsPerTask * H, full_q + qs);
       for (int t = 0; t < tiles; ++t, ++kv_iter) {
         const int s = kv_iter % Sh::kKVStages;
-        mbar_wait(empty_kv + s, ((kv_iter / Sh::kKVStages) & 1) ^ 1);
+        mbar_wait(empty_kv + s, ((kv_iter / Sh::kKVStages) & 1) ^ 1, "empty_kv", s);
         mbar_expect_tx(full_kv + s, Sh::kKVBytes + Sh::kScaleBytes);
         const int pool = lo + t * Sh::kPoolsPerStage;
         tma_load_2d(smem_kv + s * Sh::kKVBytes, &map_kv, 0, pool, full_kv + s);
@@ -296,12 +324,12 @@ fp8_mqa_kernel(const int S, const int P, const long long stride, const int* __re
     }
 
     const int qs = q_iter % kQStages;
-    mbar_wait(full_q + qs, (q_iter / kQStages) & 1);
+    mbar_wait(full_q + qs, (q_iter / kQStages) & 1, "full_q", qs);
     const unsigned char* q_tile = smem_q + qs * Sh::kQBytes + qb * 128 * kHeadDim;
 
     for (int t = 0; t < tiles; ++t, ++kv_iter) {
       const int s = kv_iter % Sh::kKVStages;
-      mbar_wait(full_kv + s, (kv_iter / Sh::kKVStages) & 1);
+      mbar_wait(full_kv + s, (kv_iter / Sh::kKVStages) & 1, "full_kv", s);
       const float* scales = smem_scale + s * Sh::kPoolsPerStage;
       const float scale0 = scales[pool_in_stage];
       const float scale1 = scales[pool_in_stage + 8];

@@ -55,11 +55,15 @@ def nvcc() -> str | None:
     return None
 
 
-def compile_command(compiler: str, output: str, *, ptx: bool = False, verbose: bool = False) -> list[str]:
+def compile_command(compiler: str, output: str, *, ptx: bool = False, verbose: bool = False,
+                    debug: bool = False) -> list[str]:  # fmt: skip
     """The ``nvcc`` command that builds :data:`SOURCE` into ``output``: the shared library
-    (``ptx=False``) or its PTX (``ptx=True``); ``verbose`` adds ptxas' resource report."""
+    (``ptx=False``) or its PTX (``ptx=True``); ``verbose`` adds ptxas' resource report;
+    ``debug`` defines ``KPOOL_DEBUG`` (a pipeline wait that spins for seconds prints its
+    barrier and traps instead of hanging)."""
     kind = ["-ptx"] if ptx else ["-shared", "-Xcompiler", "-fPIC"]
-    return [compiler, *FLAGS, *kind, *(["-Xptxas", "-v"] if verbose else []), str(SOURCE), "-o", output]
+    extra = (["-Xptxas", "-v"] if verbose else []) + (["-DKPOOL_DEBUG"] if debug else [])
+    return [compiler, *FLAGS, *kind, *extra, str(SOURCE), "-o", output]
 
 
 def _cache_dir() -> Path:
@@ -67,16 +71,16 @@ def _cache_dir() -> Path:
     return Path(base) / "sp_kpool" / "cuda"
 
 
-def build(compiler: str | None = None) -> Path:
-    """The path of the built library, building it first when the cache has none for this
-    source, these flags and this compiler. Raises ``RuntimeError`` naming the reason (no
-    ``nvcc``, or the compiler's own message)."""
+def build(compiler: str | None = None, *, debug: bool = False) -> Path:
+    """The path of the built library (``debug``: with ``KPOOL_DEBUG``), building it first
+    when the cache has none for this source, these flags and this compiler. Raises
+    ``RuntimeError`` naming the reason (no ``nvcc``, or the compiler's own message)."""
     compiler = compiler or nvcc()
     if compiler is None:
         raise RuntimeError("cuda_fp8_mqa: no nvcc found (set CUDA_HOME, or put nvcc on PATH)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, version)).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"cuda_fp8_mqa-{key}.so"
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, debug, version)).encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"cuda_fp8_mqa{'-debug' if debug else ''}-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -85,7 +89,7 @@ def build(compiler: str | None = None) -> Path:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # same file system: the rename is atomic
         out = os.path.join(tmp, lib.name)
-        done = subprocess.run(compile_command(compiler, out), capture_output=True, text=True, check=False)
+        done = subprocess.run(compile_command(compiler, out, debug=debug), capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"cuda_fp8_mqa: nvcc failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         os.replace(out, lib)
@@ -93,9 +97,9 @@ def build(compiler: str | None = None) -> Path:
     return lib
 
 
-@functools.lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
+@functools.lru_cache(maxsize=2)
+def _library(debug: bool = False) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build(debug=debug)))
     fn = lib.kpool_fp8_mqa
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     fn.argtypes = [i, i, i, p, p, ll, p, p, p, p, p, ll, p, i, i, i, p, ctypes.c_char_p, i]
@@ -118,7 +122,7 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, device:
 
 def score(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, ks: torch.Tensor,
           ke: torch.Tensor, *, mode: str = "dense", q_blocks: int = 1, out: torch.Tensor | None = None,
-          grid: int | None = None) -> torch.Tensor | None:  # fmt: skip
+          grid: int | None = None, debug: bool = False) -> torch.Tensor | None:  # fmt: skip
     """Scores every row of ``q8`` against the pools of ``k8`` with DeepGEMM's per-logit
     arithmetic (module doc; the formula is in ``cuda_fp8_mqa.cu``), on the current stream.
 
@@ -136,6 +140,8 @@ def score(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Tensor, k_scale: to
     q_blocks: query blocks (of ``128 / H`` rows) per task that share each pool tile, 1 or 2.
     out: ``[S, >= P]`` ``float32`` with unit column stride (``mode="dense"``).
     grid: most CTAs (default: the device's multiprocessor count).
+    debug: use the library built with ``KPOOL_DEBUG``: a pipeline wait that spins for
+        seconds prints its barrier, stage and parity and traps (a CUDA error, not a hang).
 
     Needs a CUDA device of compute capability 9.0 (the kernel is built for sm_90a only).
     Raises ``TypeError``/``ValueError`` naming the argument, ``RuntimeError`` for the build
@@ -189,7 +195,7 @@ def score(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Tensor, k_scale: to
     err = ctypes.create_string_buffer(1024)
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
-        rc = _library().kpool_fp8_mqa(
+        rc = _library(debug).kpool_fp8_mqa(
             H, q_blocks, MODES[mode], q8.data_ptr(), k8.data_ptr(), k8.stride(0), k_scale.data_ptr(),
             weights.data_ptr(), ks.data_ptr(), ke.data_ptr(), out.data_ptr() if out is not None else None,
             out.stride(0) if out is not None else 0, sink.data_ptr() if sink is not None else None, S, P, int(grid),

@@ -1,4 +1,6 @@
-"""The CUDA FP8 scorer (:mod:`sp_kpool.kernels.cuda_fp8_mqa`) on a Hopper GPU: its dense
+"""The CUDA FP8 scorer (:mod:`sp_kpool.kernels.cuda_fp8_mqa`) on a Hopper GPU: first a small
+smoke test of every variant with the debug build (a stuck pipeline traps, naming its
+barrier); then its dense
 mode's logits bit for bit DeepGEMM's ``fp8_mqa_logits`` (``torch.equal`` on the int32 view of
 every in-range cell) at H 32 and 64, with one and two query blocks per pool tile, on random
 inputs, heavy ties, ReLU plateaus, NaN and infinities, rows not multiples of the tiles, empty
@@ -27,6 +29,25 @@ def _odd_ranges(S, P, seed):
     starts[6], ends[6] = 1, 2  # one pool, start not a multiple of 4
     starts[7], ends[7] = P - 3, P  # the last pools only
     return starts, ends
+
+
+@pytest.mark.parametrize("q_blocks", [1, 2])
+@pytest.mark.parametrize("H", [32, 64, 128])
+def test_smoke_of_the_debug_build(H, q_blocks):
+    # first, small, with the KPOOL_DEBUG library: a pipeline wait that never completes traps
+    # with its barrier printed (a failure with a place, not a hang); both modes run to the end
+    from sp_kpool.kernels import cuda_fp8_mqa as cu
+    from sp_kpool.kernels import triton_fp8_fused as ff
+
+    S, P = 67, 517
+    q8, w, k8, scale = _inputs(S, H, P, seed=1, case="random")
+    starts, ends = _odd_ranges(S, P, seed=2)
+    got = cu.score(q8, w, k8, scale, starts, ends, q_blocks=q_blocks, debug=True)
+    assert cu.score(q8, w, k8, scale, starts, ends, mode="nostore", q_blocks=q_blocks, debug=True) is None
+    torch.cuda.synchronize()
+    ref = ff.score_select(q8, w, k8, scale, starts, ends, 64, dense=True)  # DeepGEMM's bits (test_fused_fp8)
+    vis = _visible(starts, ends, P)
+    assert torch.equal(got[vis].view(torch.int32), ref[vis].view(torch.int32))
 
 
 @pytest.mark.parametrize("case", ["random", "ties", "plateau", "nonfinite"])

@@ -14,6 +14,7 @@
   operation counts (so ptxas contracted nothing of DeepGEMM's) and no local memory. A
   mapping of accumulators to pools, or the bits of the tensor-core step, are checked on a
   GPU only: ``tests/gpu/test_cuda_fp8_mqa.py``.
+- The debug build (``KPOOL_DEBUG``: a stuck pipeline wait prints and traps) compiles.
 - The Python side: argument errors name the argument; the library is built once per source
   and compiler and reused; its C entry point reports an unknown variant.
 
@@ -175,6 +176,16 @@ def test_every_variant_compiles_at_96_registers_without_spills(tmp_path):
         # 96 on entry (640 threads, one CTA per SM); setmaxnreg moves 32 x 128 to the math warps
         assert int(regs) == 96, (_ours(name), regs)
     assert "warning" not in report.lower(), report  # e.g. C7508: setmaxnreg ignored
+
+
+@needs_nvcc
+def test_debug_build_traps_a_stuck_wait(tmp_path):
+    out = tmp_path / "debug.ptx"
+    done = subprocess.run(m.compile_command(NVCC, str(out), ptx=True, debug=True), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, body in _entries(out.read_text()).items():
+        assert "trap;" in body and "vprintf" in body, _ours(name)
 
 
 @needs_nvcc
