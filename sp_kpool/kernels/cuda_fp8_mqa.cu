@@ -70,7 +70,6 @@ struct Shape {
   static constexpr int kSmemBytes = kQStages * kQBytes + kKVStages * (kKVBytes + kScaleBytes)
                                     + (2 * kQStages + 2 * kKVStages) * 8;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  static constexpr int kWeights = kRowsPerBlock * H / 4;      // head weights held per thread
 };
 
 // ---- PTX helpers ---------------------------------------------------------------------------
@@ -204,7 +203,8 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t desc_a,
           "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
 __device__ __forceinline__ float relu(float x) { return fmaxf(x, 0.0f); }  // max.f32: NaN -> 0
