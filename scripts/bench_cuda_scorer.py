@@ -11,8 +11,10 @@ in one call, the deepgemm backend's prepared inputs): ``W`` one 131072-token doc
 DeepGEMM ``fp8_mqa_logits`` (legacy columns, ``clean_logits=False``, as the backend calls
 it); the CUDA kernel dense (stores, as DeepGEMM) and without stores, each with one and two
 query blocks per pool tile; the Triton kernel without stores (``scores_probe``) for
-reference; every ratio to DeepGEMM; and whether the dense logits equal DeepGEMM's bit for
-bit in every row's range (``torch.equal`` of the int32 views). Writes
+reference; every ratio to DeepGEMM; whether the dense logits equal DeepGEMM's bit for bit
+in every row's range (``torch.equal`` of the int32 views); and the dense path's two largest
+stages, scorer + the Triton selector (``k`` 512, as topk 2048 at kpool 4), with DeepGEMM and
+with the CUDA kernel where its logits are DeepGEMM's (ids equal, times). Writes
 ``bench_cuda_scorer.json``; a failing arm is recorded with its error and the run goes on.
 """
 
@@ -82,10 +84,28 @@ def one(case: str, H: int) -> dict:
             res[f"{arm}_ms"] = do_bench_ms(lambda: cu.score(q8, w, k8, sc, ks, ke, mode="nostore", q_blocks=nqb))
         except Exception as exc:
             res[f"{arm}_error"] = f"{type(exc).__name__}: {exc}"[:600]
+    # the dense path's two largest stages, scorer + the Triton selector (k = 512 pools, as the
+    # whole call at topk 2048, kpool 4), each scorer's logits: the same ids, and the time
+    from sp_kpool.kernels.triton_topk import topk_ascending
+
+    kp, base = 512, torch.zeros(q8.shape[0], dtype=torch.int64, device="cuda")
+    want = topk_ascending(ref[:, : k8.shape[0]], ks, ke, base, kp)
     del ref
+    res["deepgemm_plus_select_ms"] = do_bench_ms(
+        lambda: topk_ascending(dg()[:, : k8.shape[0]], ks, ke, base, kp))  # fmt: skip
+    nqb = 2 if res.get("cuda_dense_q2_bitwise") else 1
+    if res.get(f"cuda_dense_q{nqb}_bitwise"):
+        cu.score(q8, w, k8, sc, ks, ke, q_blocks=nqb, out=out)
+        res["cuda_plus_select_ids_equal"] = bool(torch.equal(topk_ascending(out, ks, ke, base, kp), want))
+        res["cuda_plus_select_q_blocks"] = nqb
+        res["cuda_plus_select_ms"] = do_bench_ms(
+            lambda: topk_ascending(cu.score(q8, w, k8, sc, ks, ke, q_blocks=nqb, out=out), ks, ke, base, kp))  # fmt: skip
+    del want
     res["triton_nostore_ms"] = do_bench_ms(lambda: ff.scores_probe(q8, w, k8, sc, ks, ke))
     for key in [k for k in res if k.endswith("_ms") and k != "deepgemm_ms"]:
         res[key.replace("_ms", "_over_deepgemm")] = res[key] / res["deepgemm_ms"]
+    if "cuda_plus_select_ms" in res:
+        res["cuda_plus_select_over_deepgemm_plus_select"] = res["cuda_plus_select_ms"] / res["deepgemm_plus_select_ms"]
     res["wall_s"] = time.perf_counter() - t0
     return res
 

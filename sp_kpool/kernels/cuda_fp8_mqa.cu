@@ -165,7 +165,7 @@ __device__ __forceinline__ void set_registers_decrease() {
 __device__ __forceinline__ uint64_t smem_desc_sw128(const void* p) {
   const uint64_t addr = smem_addr(p);
   uint64_t desc = (addr & 0x3FFFF) >> 4;
-  desc |= uint64_t(1) << 16;            // leading byte offset (unused for swizzled K-major)
+  // leading byte offset 0: unused for swizzled K-major tiles (as DeepGEMM's make_smem_desc)
   desc |= uint64_t(1024 >> 4) << 32;    // stride byte offset: 8 rows of 128 bytes
   desc |= uint64_t(1) << 62;            // 128-byte swizzle
   return desc;
