@@ -2,7 +2,9 @@
 (``cuda_fp8_mqa.cu``, sm_90a): the first step of the fused design of issue #27, a
 warp-specialised scorer whose bits are DeepGEMM's ``fp8_mqa_logits`` and whose schedule is
 ours (query blocks sharing each pool tile, no stores), so that its speed can be compared
-with DeepGEMM's before a gate and candidate buffer are added to it.
+with DeepGEMM's before a gate and candidate buffer are added to it. The same kernel on BF16
+queries and keys computes the ``triton`` backend's BF16 scores (its Triton scorer's
+arithmetic: BF16 tensor-core dots, the same head chains, no pool scale).
 
 **Status: experimental, not used by any backend.** Written without a GPU; the tests under
 ``tests/gpu/test_cuda_fp8_mqa.py`` check it against DeepGEMM bit for bit and
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["score", "nvcc", "compile_command", "build", "SOURCE", "HEADS", "MODES"]
+__all__ = ["score", "nvcc", "compile_command", "build", "SOURCE", "HEADS", "MODES", "DTYPES"]
 
 #: The kernel's source (package data).
 SOURCE = Path(__file__).with_name("cuda_fp8_mqa.cu")
@@ -40,6 +42,8 @@ SOURCE = Path(__file__).with_name("cuda_fp8_mqa.cu")
 HEADS = (32, 64, 128)
 #: ``mode`` of :func:`score`, by the kernel's ``MODE`` template argument.
 MODES = {"dense": 0, "nostore": 1}
+#: Input dtypes, by the kernel's ``DT`` template argument.
+DTYPES = {torch.float8_e4m3fn: 0, torch.bfloat16: 1}
 #: The one target: wgmma and setmaxnreg need sm_90a (Hopper).
 ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 FLAGS = ("-std=c++17", "-O3", ARCH)
@@ -102,7 +106,7 @@ def _library(debug: bool = False) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(debug=debug)))
     fn = lib.kpool_fp8_mqa
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    fn.argtypes = [i, i, i, p, p, ll, p, p, p, p, p, ll, p, i, i, i, p, ctypes.c_char_p, i]
+    fn.argtypes = [i, i, i, i, p, p, ll, p, p, p, p, p, ll, p, i, i, i, p, ctypes.c_char_p, i]
     fn.restype = i
     return lib
 
@@ -120,16 +124,18 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple, device:
         raise ValueError(f"{name}: its data must be 16-byte aligned (the tensor-memory accelerator's rule)")
 
 
-def score(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Tensor, k_scale: torch.Tensor, ks: torch.Tensor,
+def score(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor | None, ks: torch.Tensor,
           ke: torch.Tensor, *, mode: str = "dense", q_blocks: int = 1, out: torch.Tensor | None = None,
           grid: int | None = None, debug: bool = False) -> torch.Tensor | None:  # fmt: skip
-    """Scores every row of ``q8`` against the pools of ``k8`` with DeepGEMM's per-logit
+    """Scores every row of ``q`` against the pools of ``keys`` with DeepGEMM's per-logit
     arithmetic (module doc; the formula is in ``cuda_fp8_mqa.cu``), on the current stream.
 
-    q8: ``[S, H, 128]`` ``float8_e4m3fn``, contiguous, H in :data:`HEADS`.
+    q: ``[S, H, 128]``, contiguous, H in :data:`HEADS`: ``float8_e4m3fn`` (the fp8
+        arithmetic) or ``bfloat16`` (the BF16 modes' arithmetic of the ``triton`` backend:
+        BF16 tensor-core dots, the same head chains, no pool scale).
     weights: ``[S, H]`` ``float32``, contiguous (the folded head weights).
-    k8: ``[P, 128]`` ``float8_e4m3fn``, unit column stride, row stride a multiple of 16 bytes.
-    k_scale: ``[P]`` ``float32``, contiguous.
+    keys: ``[P, 128]`` of ``q``'s dtype, unit column stride, row stride a multiple of 16 bytes.
+    scales: ``[P]`` ``float32``, contiguous, for E4M3; ``None`` for BF16.
     ks, ke: ``[S]`` ``int32``, contiguous: row ``i`` sees the pools ``[ks[i], ke[i])``.
     mode: ``"dense"`` returns ``out`` (default a new ``[S, P]`` ``float32`` tensor filled with
         ``-inf``) with ``out[i, p]`` the logit of row ``i`` and pool ``p`` for every ``p`` of
@@ -151,33 +157,41 @@ def score(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Tensor, k_scale: to
         raise ValueError(f"mode: expected one of {list(MODES)}, got {mode!r}")
     if q_blocks not in (1, 2):
         raise ValueError(f"q_blocks: expected 1 or 2, got {q_blocks!r}")
-    if not isinstance(q8, torch.Tensor) or q8.dim() != 3:
-        raise ValueError(f"q8: expected a tensor [S, H, 128], got {getattr(q8, 'shape', type(q8).__name__)}")
-    S, H, D = q8.shape
-    dev = q8.device
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q: expected a tensor [S, H, 128], got {getattr(q, 'shape', type(q).__name__)}")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q: expected dtype float8_e4m3fn or bfloat16, got {q.dtype}")
+    S, H, D = q.shape
+    dev = q.device
     if dev.type != "cuda":
-        raise ValueError(f"q8: expected a CUDA tensor, got device {dev}")
+        raise ValueError(f"q: expected a CUDA tensor, got device {dev}")
     if torch.cuda.get_device_capability(dev) != (9, 0):
         raise RuntimeError(f"cuda_fp8_mqa: needs compute capability 9.0 (Hopper), device {dev} has "
                            f"{torch.cuda.get_device_capability(dev)}")  # fmt: skip
     if H not in HEADS or D != 128:
-        raise ValueError(f"q8: expected H in {list(HEADS)} and 128 channels, got shape {list(q8.shape)}")
-    if S < 1 or k8.dim() != 2 or k8.shape[0] < 1:
-        raise ValueError(f"q8, k8: expected at least one row and one pool, got {list(q8.shape)}, {list(k8.shape)}")
-    P = k8.shape[0]
-    _check("q8", q8, torch.float8_e4m3fn, (S, H, 128), dev)
-    if not q8.is_contiguous():
-        raise ValueError("q8: expected a contiguous tensor")
+        raise ValueError(f"q: expected H in {list(HEADS)} and 128 channels, got shape {list(q.shape)}")
+    if S < 1 or not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[0] < 1:
+        raise ValueError(f"q, keys: expected at least one row and one pool [P, 128], got {list(q.shape)}, "
+                         f"{list(getattr(keys, 'shape', []))}")  # fmt: skip
+    P = keys.shape[0]
+    _check("q", q, q.dtype, (S, H, 128), dev)
+    if not q.is_contiguous():
+        raise ValueError("q: expected a contiguous tensor")
     _check("weights", weights, torch.float32, (S, H), dev)
-    _check("k8", k8, torch.float8_e4m3fn, (P, 128), dev)
-    if k8.stride(1) != 1 or k8.stride(0) % 16:
-        raise ValueError(f"k8: expected unit column stride and a row stride that is a multiple of 16, got strides "
-                         f"{list(k8.stride())}")  # fmt: skip
-    _check("k_scale", k_scale, torch.float32, (P,), dev)
+    _check("keys", keys, q.dtype, (P, 128), dev)
+    row_bytes = keys.stride(0) * keys.element_size()
+    if keys.stride(1) != 1 or row_bytes % 16:
+        raise ValueError(f"keys: expected unit column stride and a row stride that is a multiple of 16 bytes, got "
+                         f"strides {list(keys.stride())}")  # fmt: skip
+    if q.dtype == torch.bfloat16:
+        if scales is not None:
+            raise ValueError("scales: expected None with BF16 inputs (no pool scale), got a tensor")
+    else:
+        _check("scales", scales, torch.float32, (P,), dev)
     for name, t in (("ks", ks), ("ke", ke)):
         _check(name, t, torch.int32, (S,), dev)
-    for name, t in (("weights", weights), ("k_scale", k_scale), ("ks", ks), ("ke", ke)):
-        if not t.is_contiguous():
+    for name, t in (("weights", weights), ("scales", scales), ("ks", ks), ("ke", ke)):
+        if t is not None and not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor")
     sink = None
     if mode == "dense":
@@ -196,10 +210,10 @@ def score(q8: torch.Tensor, weights: torch.Tensor, k8: torch.Tensor, k_scale: to
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
         rc = _library(debug).kpool_fp8_mqa(
-            H, q_blocks, MODES[mode], q8.data_ptr(), k8.data_ptr(), k8.stride(0), k_scale.data_ptr(),
-            weights.data_ptr(), ks.data_ptr(), ke.data_ptr(), out.data_ptr() if out is not None else None,
-            out.stride(0) if out is not None else 0, sink.data_ptr() if sink is not None else None, S, P, int(grid),
-            stream, err, len(err))  # fmt: skip
+            H, q_blocks, MODES[mode], DTYPES[q.dtype], q.data_ptr(), keys.data_ptr(), row_bytes,
+            scales.data_ptr() if scales is not None else None, weights.data_ptr(), ks.data_ptr(), ke.data_ptr(),
+            out.data_ptr() if out is not None else None, out.stride(0) if out is not None else 0,
+            sink.data_ptr() if sink is not None else None, S, P, int(grid), stream, err, len(err))  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"cuda_fp8_mqa: {err.value.decode(errors='replace')}")
     return out

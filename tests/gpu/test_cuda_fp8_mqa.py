@@ -6,7 +6,9 @@ every in-range cell) at H 32 and 64, with one and two query blocks per pool tile
 inputs, heavy ties, ReLU plateaus, NaN and infinities, rows not multiples of the tiles, empty
 rows and starts that are not multiples of 4; at H 128 (which DeepGEMM's SM90 API refuses)
 bit for bit the Triton kernel's dense mode, itself checked against DeepGEMM's chains
-(``test_fused_fp8.py``); repeated calls bitwise equal; the no-store mode runs to the end;
+(``test_fused_fp8.py``); on BF16 inputs bit for bit the Triton kernel's BF16 dense mode
+(the ``triton`` backend's scorer) at H 32, 64, 128; repeated calls bitwise equal; the
+no-store mode runs to the end;
 argument errors on CUDA tensors. Run each file under a time limit: a wrong pipeline wait
 would hang (``scripts/gpu_evidence.sh cuda`` does)."""
 
@@ -23,6 +25,20 @@ def _visible(starts, ends, P):
     return (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
 
 
+def _bf16_inputs(S, H, P, seed, case):
+    """BF16 queries and keys (no scales) of the same cases: the ``triton`` backend's inputs."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(S, H, 128, generator=g, device="cuda")
+    kv = torch.randn(P, 128, generator=g, device="cuda")
+    if case == "ties":
+        q, kv = torch.round(q * 2) / 2, torch.round(kv * 2) / 2
+    w = torch.randn(S, H, generator=g, device="cuda") * 0.2
+    if case == "plateau":
+        w[::3] = 0.0
+        w[1::3] = w[1::3].abs() * -1
+    return q.bfloat16(), w, kv.bfloat16(), None
+
+
 def _odd_ranges(S, P, seed):
     starts, ends = _ranges(S, P, seed)
     starts[5], ends[5] = 7, 7  # an empty row
@@ -31,21 +47,23 @@ def _odd_ranges(S, P, seed):
     return starts, ends
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 @pytest.mark.parametrize("q_blocks", [1, 2])
 @pytest.mark.parametrize("H", [32, 64, 128])
-def test_smoke_of_the_debug_build(H, q_blocks):
+def test_smoke_of_the_debug_build(H, q_blocks, dtype):
     # first, small, with the KPOOL_DEBUG library: a pipeline wait that never completes traps
-    # with its barrier printed (a failure with a place, not a hang); both modes run to the end
+    # with its barrier printed (a failure with a place, not a hang); both modes run to the end;
+    # the logits equal the Triton kernel's (DeepGEMM's bits in FP8: test_fused_fp8)
     from sp_kpool.kernels import cuda_fp8_mqa as cu
     from sp_kpool.kernels import triton_fp8_fused as ff
 
     S, P = 67, 517
-    q8, w, k8, scale = _inputs(S, H, P, seed=1, case="random")
+    q8, w, k8, scale = (_inputs if dtype == "fp8" else _bf16_inputs)(S, H, P, seed=1, case="random")
     starts, ends = _odd_ranges(S, P, seed=2)
     got = cu.score(q8, w, k8, scale, starts, ends, q_blocks=q_blocks, debug=True)
     assert cu.score(q8, w, k8, scale, starts, ends, mode="nostore", q_blocks=q_blocks, debug=True) is None
     torch.cuda.synchronize()
-    ref = ff.score_select(q8, w, k8, scale, starts, ends, 64, dense=True)  # DeepGEMM's bits (test_fused_fp8)
+    ref = ff.score_select(q8, w, k8, scale, starts, ends, 64, dense=True)
     vis = _visible(starts, ends, P)
     assert torch.equal(got[vis].view(torch.int32), ref[vis].view(torch.int32))
 
@@ -84,6 +102,25 @@ def test_h128_logits_are_the_triton_kernels(case, q_blocks):
     assert torch.equal(got[vis].view(torch.int32), ref[vis].view(torch.int32))
 
 
+@pytest.mark.parametrize("q_blocks", [1, 2])
+@pytest.mark.parametrize("case", ["random", "ties", "plateau"])
+@pytest.mark.parametrize("H", [32, 64, 128])
+def test_bf16_logits_are_the_triton_backends(H, case, q_blocks):
+    # BF16 inputs, no scale: the `triton` backend's scorer (the Triton kernel's BF16 dense mode)
+    from sp_kpool.kernels import cuda_fp8_mqa as cu
+    from sp_kpool.kernels import triton_fp8_fused as ff
+
+    S, P = 1021, 3001
+    q, w, k, _ = _bf16_inputs(S, H, P, seed=H + q_blocks, case=case)
+    starts, ends = _odd_ranges(S, P, seed=H + 3)
+    ref = ff.score_select(q, w, k, None, starts, ends, 1, dense=True)
+    got = cu.score(q, w, k, None, starts, ends, q_blocks=q_blocks)
+    vis = _visible(starts, ends, P)
+    a, b = got[vis].view(torch.int32), ref[vis].view(torch.int32)
+    bad = int((a != b).sum())
+    assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[vis][a != b][:4]}"
+
+
 @pytest.mark.parametrize("H", [32, 64, 128])
 def test_repeated_calls_and_the_nostore_mode(H):
     from sp_kpool.kernels import cuda_fp8_mqa as cu
@@ -109,7 +146,7 @@ def test_argument_errors_on_cuda_tensors():
     S, P = 8, 64
     q8, w, k8, scale = _inputs(S, 32, P, seed=0, case="random")
     starts, ends = _ranges(S, P, seed=0)
-    with pytest.raises(ValueError, match="k_scale: its data must be 16-byte aligned"):
+    with pytest.raises(ValueError, match="scales: its data must be 16-byte aligned"):
         cu.score(q8, w, k8, torch.cat([scale, scale])[1 : P + 1], starts, ends)
     with pytest.raises(TypeError, match="ks: expected dtype torch.int32, got torch.int64"):
         cu.score(q8, w, k8, scale, starts.long(), ends)

@@ -1,16 +1,18 @@
 """What a CPU can check of the CUDA FP8 scorer (``sp_kpool/kernels/cuda_fp8_mqa.cu``).
 
-- Every variant (H 32, 64, 128; one or two query blocks per pool tile; dense and no-store)
-  compiles for sm_90a with the host's nvcc, at 96 registers on entry and without spills
-  (ptxas' report), and its PTX issues exactly the four chained ``wgmma`` m64n128k32 E4M3
-  steps per tile and no ``mma.sync``.
+- Every variant (H 32, 64, 128; one or two query blocks per pool tile; dense and no-store;
+  E4M3 and BF16) compiles for sm_90a with the host's nvcc, at 96 registers on entry and
+  without spills (ptxas' report), and its PTX issues exactly the chained ``wgmma`` steps per
+  tile (four m64n128k32 E4M3, or eight m64n128k16 BF16) and no ``mma.sync``; the steps'
+  shared-memory descriptors walk the swizzled tiles (32 bytes per step, then the next
+  128-byte atom) with the 128-byte swizzle and an 8-row stride.
 - Its per-tile arithmetic is DeepGEMM's: DeepGEMM's own SM90 ``fp8_mqa_logits`` template,
   compiled from the headers of the pinned tokenspeed-deepgemm wheel
   (``scripts/reference_wheels.sh`` downloads it; never installed) with the same nvcc and
   flags, stores at H 32 and 64 the same expression for every logit as ours (the dataflow
   of each stored value traced through the PTX to the wgmma accumulators: which products are
   fused and which rounded, the chain order, where the scale applies, the butterfly), which
-  is also the module doc's formula at every H; and both machine codes have the same FP32
+  is also the module doc's formula at every H (BF16: without the scale); and both machine codes have the same FP32
   operation counts (so ptxas contracted nothing of DeepGEMM's) and no local memory. A
   mapping of accumulators to pools, or the bits of the tensor-core step, are checked on a
   GPU only: ``tests/gpu/test_cuda_fp8_mqa.py``.
@@ -61,6 +63,7 @@ def _counts(body: str) -> dict[str, int]:
         "max": len(re.findall(r"\bmax\.f32\b", body)),
         "shfl": len(re.findall(r"\bshfl\.sync\.bfly\.b32\b", body)),
         "wgmma": len(re.findall(r"\bwgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3\b", body)),
+        "wgmma_bf16": len(re.findall(r"\bwgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16\b", body)),
     }
 
 
@@ -125,11 +128,12 @@ def _stored(body: str) -> list[str]:
     return roots
 
 
-def _formula(H: int) -> list[str]:
+def _formula(H: int, scaled: bool = True) -> list[str]:
     """The expressions the module doc's formula gives for the 2 pools x 128 / H rows of one
     thread's tile: for row i, pool v (0, 1) and chain b (even, odd heads), accumulator
     ``d[i H/2 + 4 m + 2 v + b]`` is head ``8 m + 2 quad + b``; chain ``fma(r_0 w_0, RN(r_1
-    w_1))`` then ``fma(r_m, w_m, c)``; ``P = RN(RN(c_even + c_odd) * s)``; two butterfly sums."""
+    w_1))`` then ``fma(r_m, w_m, c)``; ``P = RN(RN(c_even + c_odd) * s)`` (``scaled``, E4M3)
+    or ``RN(c_even + c_odd)`` (BF16); two butterfly sums."""
     out = []
     for i in range(128 // H):
         for v in (0, 1):
@@ -140,16 +144,19 @@ def _formula(H: int) -> list[str]:
                 for mm in range(2, H // 8):
                     c = _canon("fma", "ld", r[mm], c)
                 chains.append(c)
-            p = _canon("mul", _canon("add", *chains), "ld")
+            p = _canon("mul", _canon("add", *chains), "ld") if scaled else _canon("add", *chains)
             p = _canon("add", p, _canon("shfl1", p))
             out.append(_canon("add", p, _canon("shfl2", p)))
     return sorted(out)
 
 
-def _ours(name: str) -> tuple[int, int, int]:
-    """(H, NQB, MODE) of one of our mangled kernel names."""
-    h, nqb, mode = re.search(r"fp8_mqa_kernelILi(\d+)ELi(\d+)ELi(\d+)E", name).groups()
-    return int(h), int(nqb), int(mode)
+def _ours(name: str) -> tuple[int, int, int, int]:
+    """(H, NQB, MODE, DT) of one of our mangled kernel names."""
+    h, nqb, mode, dt = re.search(r"fp8_mqa_kernelILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)E", name).groups()
+    return int(h), int(nqb), int(mode), int(dt)
+
+
+VARIANTS = sorted((h, q, md, dt) for h in m.HEADS for q in (1, 2) for md in m.MODES.values() for dt in m.DTYPES.values())
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +176,7 @@ def test_every_variant_compiles_at_96_registers_without_spills(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = done.stderr
     kernels = re.findall(r"Function properties for (\w*fp8_mqa_kernel\w*)\n(.*)\n.*Used (\d+) registers", report)
-    assert sorted(_ours(k) for k, _, _ in kernels) == sorted(
-        (h, q, md) for h in m.HEADS for q in (1, 2) for md in m.MODES.values())  # fmt: skip
+    assert sorted(_ours(k) for k, _, _ in kernels) == VARIANTS
     for name, spill, regs in kernels:
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in spill, (_ours(name), spill)
         # 96 on entry (640 threads, one CTA per SM); setmaxnreg moves 32 x 128 to the math warps
@@ -189,15 +195,52 @@ def test_debug_build_traps_a_stuck_wait(tmp_path):
 
 
 @needs_nvcc
-def test_every_variant_issues_four_chained_wgmma_steps_and_no_mma_sync(our_ptx):
-    assert len(our_ptx) == 12
+def test_every_variant_issues_its_chained_wgmma_steps_and_no_mma_sync(our_ptx):
+    # E4M3: four k32 steps over the 128 channels; BF16: eight k16 steps
+    assert sorted(_ours(n) for n in our_ptx) == VARIANTS
     for name, body in our_ptx.items():
         c = _counts(body)
-        assert c["wgmma"] == 4, (_ours(name), c)
+        want = (4, 0) if _ours(name)[3] == 0 else (0, 8)
+        assert (c["wgmma"], c["wgmma_bf16"]) == want, (_ours(name), c)
         assert "mma.sync" not in body.replace("wgmma.mma_async.sync", ""), _ours(name)
         assert body.count("setmaxnreg.inc.sync.aligned.u32 112") == 1 and body.count("setmaxnreg.dec") == 1
         assert "cp.async.bulk.tensor.2d" in body and "mbarrier.try_wait.parity" in body
 
+
+def _descriptors(body: str) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+    """The (A, B) shared-memory descriptors of each wgmma of a kernel, in order, each as
+    (root register, constant added): traced through ``add.s64`` and ``or.b64`` with an
+    immediate (an ``or`` into the zero low bits of an aligned address is an addition)."""
+    defs = {}
+    for op, args in _instructions(body):
+        ops = [a.strip() for a in args.split(",")]
+        if op in ("add.s64", "or.b64") and len(ops) == 3 and ops[2].lstrip("-").isdigit():
+            root, off = defs.get(ops[1], (ops[1], 0))
+            defs[ops[0]] = (root, off + int(ops[2]))
+    out = []
+    for mm in re.finditer(r"wgmma\.mma_async[^}]*\},\s*(%rd\d+),\s*(%rd\d+)", body):
+        out.append(tuple(defs.get(r, (r, 0)) for r in mm.groups()))
+    return out
+
+
+@needs_nvcc
+def test_wgmma_steps_walk_the_swizzled_tiles(our_ptx):
+    # step k reads 32 bytes at (k % 4) * 32 of 128-byte atom k / 4 of the pool tile (A) and of
+    # the query block (B): descriptor offsets in 16-byte units from the first step's; every
+    # descriptor has the 128-byte swizzle (mode 1) and a stride of 1024 bytes (8 rows)
+    for name, body in our_ptx.items():
+        h, nqb, mode, dt = _ours(name)
+        steps = 4 if dt == 0 else 8
+        a_atom, b_atom = (64 * 4 // nqb) * 128 // 16, nqb * 128 * 128 // 16
+        descs = _descriptors(body)
+        assert len(descs) == steps, (_ours(name), descs)
+        (ra, a0), (rb, b0) = descs[0]
+        for k, ((rak, ak), (rbk, bk)) in enumerate(descs):
+            assert (rak, rbk) == (ra, rb), (_ours(name), k, descs)
+            assert (ak - a0, bk - b0) == ((k // 4) * a_atom + 2 * (k % 4), (k // 4) * b_atom + 2 * (k % 4)), (
+                _ours(name), k, ak - a0, bk - b0)  # fmt: skip
+        for c in (a0, b0):
+            assert c >> 62 == 1 and (c >> 32) & 0x3FFF == 1024 // 16 and (c >> 16) & 0x3FFF == 0, (_ours(name), hex(c))
 
 def _deepgemm_wheel() -> Path | None:
     env = os.environ.get("SP_KPOOL_DEEPGEMM_WHEEL")
@@ -258,15 +301,15 @@ def deepgemm_ptx(deepgemm_ptx_bodies) -> dict[int, dict[str, int]]:
 @needs_nvcc
 def test_per_tile_arithmetic_has_deepgemms_operation_counts(our_ptx, deepgemm_ptx):
     for name, body in our_ptx.items():
-        h, nqb, mode = _ours(name)
+        h, nqb, mode, dt = _ours(name)
         ours = _counts(body)
-        if h in deepgemm_ptx:
+        if h in deepgemm_ptx and dt == 0:
             assert ours == deepgemm_ptx[h], ((h, nqb, mode), ours, deepgemm_ptx[h])
-        # the formula's own counts per tile (both kernels: BQ = 128 / H rows of 4 chains)
+        # the formula's own counts per tile (BQ = 128 / H rows of 4 chains; BF16: no scale)
         bq, steps = 128 // h, h // 8
-        want = {"fma": bq * 4 * (steps - 1), "mul": bq * 6, "add": bq * 6, "max": bq * h // 2, "shfl": bq * 4,
-                "wgmma": 4}  # fmt: skip
-        assert ours == want, ((h, nqb, mode), ours, want)
+        want = {"fma": bq * 4 * (steps - 1), "mul": bq * (6 if dt == 0 else 4), "add": bq * 6, "max": bq * h // 2,
+                "shfl": bq * 4, "wgmma": 4 if dt == 0 else 0, "wgmma_bf16": 0 if dt == 0 else 8}  # fmt: skip
+        assert ours == want, ((h, nqb, mode, dt), ours, want)
 
 
 @needs_nvcc
@@ -277,9 +320,9 @@ def test_stored_logits_are_the_formula_and_deepgemms_expressions(our_ptx, deepge
     for h, body in deepgemm_ptx_bodies.items():
         assert sorted(_stored(body)) == _formula(h), h
     for name, body in our_ptx.items():
-        h, nqb, mode = _ours(name)
+        h, nqb, mode, dt = _ours(name)
         if mode == m.MODES["dense"]:
-            assert sorted(_stored(body)) == _formula(h), (h, nqb)
+            assert sorted(_stored(body)) == _formula(h, scaled=dt == 0), (h, nqb, dt)
 
 
 def _cuobjdump() -> str | None:
@@ -304,7 +347,7 @@ def _sass(cubin: Path) -> dict[str, str]:
 
 
 def _sass_counts(body: str) -> dict[str, int]:
-    ops = ("QGMMA", "HMMA", "FFMA", "FMUL", "FADD", "FMNMX", "SHFL.BFLY", "LDL", "STL")
+    ops = ("QGMMA", "HGMMA", "HMMA", "FFMA", "FMUL", "FADD", "FMNMX", "SHFL.BFLY", "LDL", "STL")
     return {op: len(re.findall(rf"\b{re.escape(op)}\b", body)) for op in ops}
 
 
@@ -321,10 +364,11 @@ def test_machine_code_has_deepgemms_operations_and_no_local_memory(deepgemm_sour
     cmd[cmd.index("-shared") : cmd.index("-fPIC") + 1] = ["-cubin"]
     _run(cmd)
     ours = {_ours(n): _sass_counts(b) for n, b in _sass(tmp_path / "ours.cubin").items()}
-    assert len(ours) == 12
-    for (h, nqb, mode), c in ours.items():
-        assert c["QGMMA"] == 4 and c["HMMA"] == 0 and c["LDL"] == 0 and c["STL"] == 0, ((h, nqb, mode), c)
-        if h in theirs:
+    assert sorted(ours) == VARIANTS
+    for (h, nqb, mode, dt), c in ours.items():
+        mma = (4, 0) if dt == 0 else (0, 8)  # QGMMA (FP8) or HGMMA (BF16) steps
+        assert (c["QGMMA"], c["HGMMA"]) == mma and c["HMMA"] == 0 and c["LDL"] == c["STL"] == 0, ((h, nqb, mode, dt), c)
+        if h in theirs and dt == 0:
             assert c == theirs[h], ((h, nqb, mode), c, theirs[h])
 
 
@@ -337,9 +381,9 @@ def test_library_is_built_once_and_reports_an_unknown_variant(tmp_path, monkeypa
     assert m.build() == lib and lib.stat().st_mtime_ns == stamp  # reused, not rebuilt
     dll = ctypes.CDLL(str(lib))
     err = ctypes.create_string_buffer(256)
-    rc = dll.kpool_fp8_mqa(48, 1, 0, None, None, ctypes.c_longlong(128), None, None, None, None, None,
+    rc = dll.kpool_fp8_mqa(48, 1, 0, 0, None, None, ctypes.c_longlong(128), None, None, None, None, None,
                            ctypes.c_longlong(0), None, 1, 1, 1, None, err, len(err))  # fmt: skip
-    assert rc == 1 and err.value.startswith(b"no variant for heads 48, nqb 1, mode 0"), err.value
+    assert rc == 1 and err.value.startswith(b"no variant for heads 48, nqb 1, mode 0, dtype 0"), err.value
 
 
 def test_build_without_nvcc_names_it(monkeypatch):
@@ -356,7 +400,9 @@ def test_argument_errors_name_the_argument():
         m.score(q8, w, k8, sc, ks, ke, mode="sparse")
     with pytest.raises(ValueError, match="q_blocks: expected 1 or 2, got 3"):
         m.score(q8, w, k8, sc, ks, ke, q_blocks=3)
-    with pytest.raises(ValueError, match="q8: expected a CUDA tensor, got device cpu"):
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor, got device cpu"):
         m.score(q8, w, k8, sc, ks, ke)
-    with pytest.raises(ValueError, match=r"q8: expected a tensor \[S, H, 128\]"):
+    with pytest.raises(ValueError, match=r"q: expected a tensor \[S, H, 128\]"):
         m.score(q8[0], w, k8, sc, ks, ke)
+    with pytest.raises(TypeError, match="q: expected dtype float8_e4m3fn or bfloat16, got torch.float32"):
+        m.score(q8.float(), w, k8, sc, ks, ke)
