@@ -7,7 +7,8 @@ scorer alone, in one run.
 Cases as ``scripts/bench_fused.py`` (rank 3 of a 4-rank split, D 128, kpool 4), plus
 ``Wrecency``: W with every key scaled by ``1 + 3 t / S`` along the sequence (``t`` the token,
 ``S`` the length), so later pools score higher and the selector's thresholds sit elsewhere
-than on W's random scores. For each case, arm (``precision:backend``), H, topk and logits
+than on W's random scores. For each case, arm (``precision:backend``; ``backend+cuda``: its
+chunks scored by the CUDA scorer, ``Settings.cuda_scorer``), H, topk and logits
 budget (``--budgets``, MiB per scoring chunk): the whole call (``sp_kpool.pipeline.solve``,
 the dense path) by ``triton.testing.do_bench``, its peak extra device memory
 (``torch.cuda.max_memory_allocated`` above what was allocated before, the output included),
@@ -73,12 +74,15 @@ def scorer_alone_ms(base, precision: str):
 
 def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list[int]) -> list[dict]:
     out, first_of, alone = [], {}, {}  # alone: the scorer alone per precision (the BF16 arms share TileLang's)
-    for precision, name in arms:
+    for precision, arm in arms:
+        name, cuda = arm.removesuffix("+cuda"), arm.endswith("+cuda")
         base = problem(case, precision, H, topk)
+        if cuda:  # the backend with its chunks scored by the CUDA scorer (Settings.cuda_scorer)
+            base = dataclasses.replace(base, settings=base.settings.replace(cuda_scorer=True))
         be = BACKENDS[name]
         why = be.not_supported_reasons(base)
         if why:
-            r = {"case": case, "precision": precision, "backend": name, "H": H, "topk": topk, "skipped": why}
+            r = {"case": case, "precision": precision, "backend": arm, "H": H, "topk": topk, "skipped": why}
             log(r)
             out.append(r)
             continue
@@ -88,7 +92,7 @@ def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list
         first = None
         for mib in budgets:
             p = dataclasses.replace(base, config=dataclasses.replace(base.config, max_logits_bytes=mib * 2**20))
-            r = {"case": case, "precision": precision, "backend": name, "H": H, "topk": topk, "budget_mib": mib,
+            r = {"case": case, "precision": precision, "backend": arm, "H": H, "topk": topk, "budget_mib": mib,
                  "rows": p.seq.shard_size}  # fmt: skip
             rows = min(p.seq.shard_end, p.seq.num_real_tokens) - p.seq.shard_start
             C = scoring_chunk_rows(be, p, num_pools(p.seq, p.kpool))
@@ -100,7 +104,7 @@ def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list
                     other, ids0 = first_of[precision]
                     r[f"rows_differing_from_{other}"] = int((ids.sort(1).values != ids0.sort(1).values).any(1).sum())
                 else:
-                    first_of[precision] = (name, ids)
+                    first_of[precision] = (arm, ids)
             r["ids_equal_first_budget"] = bool(torch.equal(ids, first))
             del ids
             r["whole_ms"] = do_bench_ms(lambda: solve(p, name))
@@ -127,9 +131,11 @@ def main():
     budgets = [int(b) for b in args.budgets.split(",")]
     arms = [tuple(a.split(":")) for a in args.arms.split(",")]
     for a in arms:
-        if len(a) != 2 or a[1] not in BACKENDS or a[0] not in BACKENDS[a[1]].precisions:
-            ap.error(f"--arms: expected precision:backend pairs a backend implements "
-                     f"({', '.join(f'{p}:{n}' for n, b in BACKENDS.items() for p in b.precisions)}), got {':'.join(a)!r}")
+        name = a[1].removesuffix("+cuda") if len(a) == 2 else None
+        if len(a) != 2 or name not in BACKENDS or a[0] not in BACKENDS[name].precisions:
+            ap.error(f"--arms: expected precision:backend pairs a backend implements, the backend optionally "
+                     f"+cuda ({', '.join(f'{p}:{n}' for n, b in BACKENDS.items() for p in b.precisions)}), "
+                     f"got {':'.join(a)!r}")  # fmt: skip
     doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
     for case in args.cases.split(","):

@@ -8,8 +8,11 @@
 #   bash scripts/gpu_evidence.sh chunks  OUTDIR   # the row-local chunks (plan.local_chunks): bench_budget on the
 #                                                 # slice (time, peak memory, 2 and 1 GiB) and packed64, and the
 #                                                 # GPU tests that check their ids (every rank and layout, fused)
-#   bash scripts/gpu_evidence.sh cuda    OUTDIR   # the CUDA FP8 scorer (kernels/cuda_fp8_mqa.cu): its GPU tests
-#                                                 # (bitwise DeepGEMM), its SASS, bench_cuda_scorer.py on the slice
+#   bash scripts/gpu_evidence.sh cuda    OUTDIR   # the CUDA scorer (kernels/cuda_fp8_mqa.cu): its GPU tests (bits
+#                                                 # of DeepGEMM / the Triton kernel, whole calls), its SASS,
+#                                                 # bench_cuda_scorer.py on the slice (FP8 and BF16)
+#   bash scripts/gpu_evidence.sh cudawhole OUTDIR # whole calls with SP_KPOOL_CUDA_SCORER=1 against the defaults
+#                                                 # (bench_budget.py, +cuda arms: time, peak memory, ids)
 set -uo pipefail
 part=$1
 out=$2
@@ -62,7 +65,7 @@ case $part in
     ;;
   cuda)
     # the tests first, under a short limit: a wrong pipeline wait hangs rather than fails
-    timeout 240 python3 -m pytest tests/gpu/test_cuda_fp8_mqa.py -q -rA -x --junitxml="$out/cuda_fp8_mqa.xml" 2>&1 \
+    timeout 220 python3 -m pytest tests/gpu/test_cuda_fp8_mqa.py -q -rA -x --junitxml="$out/cuda_fp8_mqa.xml" 2>&1 \
       | filter > "$out/cuda_fp8_mqa.log"
     echo "test_cuda_fp8_mqa rc=${PIPESTATUS[0]}: $(tail -n 1 "$out/cuda_fp8_mqa.log")"; grep "^FAILED\|^ERROR\|Error" "$out/cuda_fp8_mqa.log" | cut -c1-400 | head -n 8
     lib=$(python3 -c "from sp_kpool.kernels import cuda_fp8_mqa as m; print(m.build())" 2>/dev/null)
@@ -71,8 +74,14 @@ case $part in
       echo "SASS: QGMMA $(grep -c QGMMA "$out/cuda_fp8_mqa.sass"), HMMA $(grep -c HMMA "$out/cuda_fp8_mqa.sass"), FFMA $(grep -c FFMA "$out/cuda_fp8_mqa.sass"), FMUL $(grep -c FMUL "$out/cuda_fp8_mqa.sass"), FADD $(grep -c FADD "$out/cuda_fp8_mqa.sass")"
       xz -9 "$out/cuda_fp8_mqa.sass"
     fi
-    timeout 300 python3 scripts/bench_cuda_scorer.py --heads 32,64 --cases W --out "$out" 2>&1 | filter > "$out/bench_cuda_scorer.log"
+    timeout 270 python3 scripts/bench_cuda_scorer.py --heads 32,64 --cases W --out "$out" 2>&1 | filter > "$out/bench_cuda_scorer.log"
     cut -c1-1200 "$out/bench_cuda_scorer.log"
+    ;;
+  cudawhole)
+    timeout 400 python3 scripts/bench_budget.py --cases W,packed64 --heads 32,64 --budgets 2048 \
+      --arms fp8:deepgemm,fp8:deepgemm+cuda,bf16:triton,bf16:triton+cuda --out "$out" 2>&1 | filter > "$out/bench_budget_cuda.log"
+    mv "$out/bench_budget.json" "$out/bench_budget_cuda.json" 2>/dev/null
+    grep "^{" "$out/bench_budget_cuda.log" | cut -c1-420
     ;;
   perf)
     timeout 200 python3 scripts/bench_kernels.py --torch-baseline --out "$out" 2>&1 | filter > "$out/bench_kernels.log"

@@ -31,6 +31,10 @@ variable                       meaning                                          
                                every as many seconds; the timeout is unchanged)
 ``SP_KPOOL_FUSED``             ``1``: registered fused selectors that are off   ``0``
                                by default may run (same ids bit for bit)
+``SP_KPOOL_CUDA_SCORER``       ``1``: the ``deepgemm`` and ``triton`` backends  ``0``
+                               score with the CUDA scorer
+                               (``kernels/cuda_fp8_mqa.cu``; same bits;
+                               experimental, not yet run on a GPU)
 =============================  ==============================================  ===========
 
 A variable that cannot be read does not make one rank raise alone: the process settings
@@ -70,6 +74,7 @@ ENV = {
     "comm_timeout": "SP_KPOOL_COMM_TIMEOUT",
     "fused": "SP_KPOOL_FUSED",
     "comm_log_interval": "SP_KPOOL_COMM_LOG_INTERVAL",
+    "cuda_scorer": "SP_KPOOL_CUDA_SCORER",
 }
 
 #: Seconds a rank waits in the agreement (the first collective of every call) for the
@@ -110,6 +115,10 @@ class Settings:
     comm_log_interval: seconds a rank waits in the agreement before it logs (logger
         ``sp_kpool``, a warning) which ranks have not arrived, then again every as many
         seconds until the agreement completes or times out (``> 0``).
+    cuda_scorer: whether the ``deepgemm`` (FP8) and ``triton`` (BF16) backends score their
+        dense chunks with :mod:`sp_kpool.kernels.cuda_fp8_mqa` instead of DeepGEMM / the
+        Triton kernel (``SP_KPOOL_CUDA_SCORER=1``): the same arithmetic, so the same bits
+        and ids; experimental (written without a GPU; see that module).
     env_error: the error of a variable that :func:`current_settings` could not read
         (raised by the operator inside its agreement, on every rank alike), or ``None``.
     """
@@ -125,6 +134,7 @@ class Settings:
     comm_timeout: float = DEFAULT_COMM_TIMEOUT
     fused: bool = False
     comm_log_interval: float = DEFAULT_COMM_LOG_INTERVAL
+    cuda_scorer: bool = False
     env_error: str | None = None
 
     def __post_init__(self):
@@ -145,6 +155,8 @@ class Settings:
             raise ValueError(f"{ENV['check_finite']}: expected 0 or 1, got {self.check_finite!r}")
         if not isinstance(self.fused, bool):
             raise ValueError(f"{ENV['fused']}: expected 0 or 1, got {self.fused!r}")
+        if not isinstance(self.cuda_scorer, bool):
+            raise ValueError(f"{ENV['cuda_scorer']}: expected 0 or 1, got {self.cuda_scorer!r}")
         t = self.comm_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ValueError(f"{ENV['comm_timeout']}: expected a positive number of seconds, got {t!r}")
@@ -258,6 +270,7 @@ _PARSERS = {
     "comm_timeout": _seconds,
     "fused": _flag,
     "comm_log_interval": _seconds,
+    "cuda_scorer": _flag,
 }
 
 

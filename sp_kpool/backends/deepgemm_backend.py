@@ -17,6 +17,10 @@ columns, ``clean_logits`` writes ``-inf`` outside ``[ks, ke)``) where ``fp8_mqa_
 exists; ``compact`` (request-local columns, ``max_seqlen_k``; columns past a row's
 length are uninitialised and masked here) where only ``fp8_fp4_mqa_logits`` exists or
 ``Settings.mqa_layout = "compact"`` (``$SP_KPOOL_MQA_LAYOUT``).
+
+**CUDA scorer.** With ``Settings.cuda_scorer`` (``SP_KPOOL_CUDA_SCORER=1``) every chunk is
+scored by :mod:`sp_kpool.kernels.cuda_fp8_mqa` (the same arithmetic; experimental, see
+:mod:`sp_kpool.backends.cuda_scorer`); ``deep_gemm`` is then not needed.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .._probe import cuda_reason, probe
 from ..selectors import reads_row_ranges_only
 from . import deepgemm_api
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs, round_rows
+from .cuda_scorer import cuda_scorer_reasons, score_cuda
 from .deepgemm_logits import logits_bytes, logits_chunk_rows
 from .triton_backend import score_triton
 
@@ -97,7 +102,10 @@ class DeepGemmBackend(Backend):
             reasons.append(f"H = {problem.heads} not in {list(self.heads_supported)}")
         if problem.head_dim not in self.dims_supported:
             reasons.append(f"D = {problem.head_dim} not in {list(self.dims_supported)}")
-        dg = problem.heads in self.deepgemm_heads
+        cuda = problem.settings.cuda_scorer
+        dg = problem.heads in self.deepgemm_heads and not cuda
+        if not reasons and cuda:
+            reasons += cuda_scorer_reasons(problem)
         if not reasons:
             for mod in ("triton", "deep_gemm") if dg else ("triton",):
                 _, why = probe(mod)
@@ -116,7 +124,8 @@ class DeepGemmBackend(Backend):
         return layout, a
 
     def chunk_rows(self, problem: Problem, num_pools: int) -> int:
-        if problem.heads not in self.deepgemm_heads:  # the Triton kernel: FP32 [rows, pools], no padding
+        if problem.heads not in self.deepgemm_heads or problem.settings.cuda_scorer:
+            # the Triton kernel or the CUDA scorer: FP32 [rows, pools], no padding
             return super().chunk_rows(problem, num_pools)
         layout, a = self._layout_args(problem)
         rows = logits_chunk_rows(problem.max_logits_bytes, max(1, num_pools), problem.heads, layout, a)
@@ -147,6 +156,8 @@ class DeepGemmBackend(Backend):
 
     def score(self, problem, pools, q8, wq, lo, hi, starts, ends) -> ChunkScores:
         k8, k_scale = pools.keys, pools.scales
+        if problem.settings.cuda_scorer:
+            return score_cuda(problem, q8, wq, k8[lo:hi], k_scale[lo:hi], starts, ends, self.name)
         if problem.heads not in self.deepgemm_heads:
             return score_triton(problem, q8, wq, k8[lo:hi], k_scale[lo:hi], starts, ends, self.name)
         fn, _ = mqa_api()

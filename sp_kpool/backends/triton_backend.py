@@ -17,6 +17,9 @@ H in {32, 64, 128}, D 128, BF16 queries and keys; other shapes run on ``tilelang
 H200 (2026-12-04, the reference slice: 32768 rows x 32768 pools) the scorer takes 14.1-14.2 ms
 at H 32 (the rows on the accumulator's lane bits, 00b90ab) and 27.3-28.2 ms at H 64, against
 TileLang's 17.4-17.8 and 30.8-31.1 ms (``benchmarks/results/h200-cu130-torch2.11/``).
+With ``Settings.cuda_scorer`` (``SP_KPOOL_CUDA_SCORER=1``) the chunks are scored by
+:mod:`sp_kpool.kernels.cuda_fp8_mqa` on the BF16 inputs instead: the same arithmetic
+(experimental, see :mod:`sp_kpool.backends.cuda_scorer`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .._probe import cuda_reason, probe
 from ..pooling import compress_pools_bf16
 from ..selectors import reads_row_ranges_only
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs, fold_bf16_weights
+from .cuda_scorer import cuda_scorer_reasons, score_cuda
 
 __all__ = ["TritonBackend", "bf16_pools", "bf16_gpu_reasons", "score_triton"]
 
@@ -110,6 +114,8 @@ class TritonBackend(Backend):
                 from ..kernels.triton_fp8_fused import supports
 
                 reasons += supports(problem.heads, problem.head_dim, 1)
+        if not reasons and problem.settings.cuda_scorer:
+            reasons += cuda_scorer_reasons(problem)
         return reasons
 
     def prepare(self, problem: Problem, pools: PoolInputs | None, queries: QueryInputs | None):
@@ -123,4 +129,6 @@ class TritonBackend(Backend):
         return pooled, prepared
 
     def score(self, problem, pools, q, w, lo, hi, starts, ends) -> ChunkScores:
+        if problem.settings.cuda_scorer:
+            return score_cuda(problem, q, w, pools.keys[lo:hi], None, starts, ends, self.name)
         return score_triton(problem, q, w, pools.keys[lo:hi], None, starts, ends)

@@ -6,9 +6,10 @@ with DeepGEMM's before a gate and candidate buffer are added to it. The same ker
 queries and keys computes the ``triton`` backend's BF16 scores (its Triton scorer's
 arithmetic: BF16 tensor-core dots, the same head chains, no pool scale).
 
-**Status: experimental, not used by any backend.** Written without a GPU; the tests under
-``tests/gpu/test_cuda_fp8_mqa.py`` check it against DeepGEMM bit for bit and
-``scripts/bench_cuda_scorer.py`` times it, on a Hopper GPU. On the CPU,
+**Status: experimental.** The ``deepgemm`` and ``triton`` backends score with it only with
+``SP_KPOOL_CUDA_SCORER=1`` (:mod:`sp_kpool.backends.cuda_scorer`). Written without a GPU:
+``tests/gpu/test_cuda_fp8_mqa.py`` checks it against DeepGEMM (and the Triton kernel in
+BF16) bit for bit and ``scripts/bench_cuda_scorer.py`` times it, on a Hopper GPU. On the CPU,
 ``tests/unit/test_cuda_fp8_mqa_ptx.py`` compiles it for sm_90a and checks its PTX and SASS
 against DeepGEMM's template compiled the same way.
 

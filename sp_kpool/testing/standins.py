@@ -10,6 +10,9 @@ GPU, and nothing else:
   (:func:`fp8_mqa_logits`, :func:`fp8_fp4_mqa_logits`) follow the real kernel's contract
   in torch, storage included (padded rows, the legacy stride with guard columns, the
   compact stride, garbage in the cells the real kernel leaves uninitialised);
+* the CUDA scorer (``Settings.cuda_scorer``): :func:`sp_kpool.kernels.cuda_fp8_mqa.score`
+  (:func:`cuda_fp8_mqa_score`: the arithmetic it computes in each row's range, garbage
+  elsewhere) and its ``nvcc`` lookup;
 * TileLang: the compiled kernel behind :func:`sp_kpool.kernels.tilelang_score.tilelang_scores`
   (:func:`tilelang_kernel`; the real host function around it still pads the rows and
   computes each row group's column range); :func:`tilelang_scores` states the whole
@@ -41,7 +44,7 @@ import torch
 from ..backends.deepgemm_logits import align
 from ..serving_scores import mqa_logits_fp8_reference
 
-__all__ = ["GARBAGE", "fp8_mqa_logits", "fp8_fp4_mqa_logits", "fake_deep_gemm", "tilelang_kernel",
+__all__ = ["GARBAGE", "fp8_mqa_logits", "fp8_fp4_mqa_logits", "fake_deep_gemm", "cuda_fp8_mqa_score", "tilelang_kernel",
            "tilelang_scores", "install", "Installed"]  # fmt: skip
 
 #: What the stand-ins write into cells the real kernels leave uninitialised: a large
@@ -208,6 +211,37 @@ def tilelang_scores(q, wq, keys, starts, ends, clean: bool = True) -> torch.Tens
     return torch.where(inside, vals, -float("inf") if clean else GARBAGE)
 
 
+def cuda_fp8_mqa_score(q, weights, keys, scales, ks, ke, *, mode="dense", q_blocks=1, out=None, grid=None,
+                       debug=False):  # fmt: skip
+    """:func:`sp_kpool.kernels.cuda_fp8_mqa.score` on any device: in each row's range the
+    values of the arithmetic it computes (E4M3: :func:`fp8_mqa_logits`; BF16: the Triton
+    kernel's dense mode, under the interpreter), :data:`GARBAGE` in the other columns (the
+    real kernel writes scores of pools the row does not see there, or nothing). Asserts the
+    layouts the real kernel needs."""
+    S, H, _ = q.shape
+    P = keys.shape[0]
+    assert q.is_contiguous() and weights.is_contiguous() and ks.is_contiguous() and ke.is_contiguous()
+    assert ks.dtype == ke.dtype == torch.int32 and keys.stride(1) == 1
+    assert (scales is None) == (q.dtype == torch.bfloat16), "scales: E4M3 only"
+    assert scales is None or (scales.is_contiguous() and scales.data_ptr() % 16 == 0)
+    assert q_blocks in (1, 2) and mode in ("dense", "nostore")
+    if scales is not None:
+        vals = fp8_mqa_logits(q, (keys, scales), weights, ks, ke, clean_logits=False)[:, :P]
+    else:
+        from ..kernels.triton_fp8_fused import score_select
+
+        vals = score_select(q, weights, keys, None, ks, ke, 1, dense=True, fill=None)
+    n = torch.arange(P, device=q.device)
+    inside = (n[None] >= ks[:, None].long()) & (n[None] < ke[:, None].long())
+    vals = torch.where(inside, vals, GARBAGE)
+    if mode == "nostore":
+        return None
+    if out is None:
+        out = torch.full((S, P), float("-inf"), dtype=torch.float32, device=q.device)
+    out[:, :P] = vals
+    return out
+
+
 @dataclasses.dataclass
 class Installed:
     """What :func:`install` put in place: the fake ``deep_gemm`` module, the interpreted
@@ -236,7 +270,7 @@ def install(monkeypatch, *, layout: str | None = None, api: str = "fp8", legacy_
     """
     from .. import _device, selectors
     from ..backends import deepgemm_backend as dgb, tilelang_backend as tlb, triton_backend as trb
-    from ..kernels import tilelang_score
+    from ..kernels import cuda_fp8_mqa, tilelang_score
     from ..settings import Settings
     from .triton_interp import interpreted_module
 
@@ -283,4 +317,7 @@ def install(monkeypatch, *, layout: str | None = None, api: str = "fp8", legacy_
         return tilelang_kernel(H, D, bq, mask)
 
     monkeypatch.setattr(tilelang_score, "_compiled", compiled)
+    # the CUDA scorer (Settings.cuda_scorer): the stand-in above, and an nvcc that is never run
+    monkeypatch.setattr(cuda_fp8_mqa, "score", cuda_fp8_mqa_score)
+    monkeypatch.setattr(cuda_fp8_mqa, "nvcc", lambda: "stand-in nvcc")
     return Installed(deep_gemm=fake, kernels=kernels, settings=Settings(mqa_layout=layout))

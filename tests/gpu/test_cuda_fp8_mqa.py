@@ -8,7 +8,8 @@ rows and starts that are not multiples of 4; at H 128 (which DeepGEMM's SM90 API
 bit for bit the Triton kernel's dense mode, itself checked against DeepGEMM's chains
 (``test_fused_fp8.py``); on BF16 inputs bit for bit the Triton kernel's BF16 dense mode
 (the ``triton`` backend's scorer) at H 32, 64, 128; repeated calls bitwise equal; the
-no-store mode runs to the end;
+no-store mode runs to the end; whole calls with ``SP_KPOOL_CUDA_SCORER=1`` give the ids of
+the backends' default scorers;
 argument errors on CUDA tensors. Run each file under a time limit: a wrong pipeline wait
 would hang (``scripts/gpu_evidence.sh cuda`` does)."""
 
@@ -152,3 +153,23 @@ def test_argument_errors_on_cuda_tensors():
         cu.score(q8, w, k8, scale, starts.long(), ends)
     with pytest.raises(ValueError, match=r"out: expected float32 \[S=8, >= P=64\]"):
         cu.score(q8, w, k8, scale, starts, ends, out=torch.empty(8, 63, device="cuda"))
+
+
+@pytest.mark.parametrize("precision,backend,H", [("fp8", "deepgemm", 32), ("fp8", "deepgemm", 64),
+                                                 ("fp8", "deepgemm", 128), ("bf16", "triton", 32)])
+def test_whole_call_with_the_cuda_scorer_equals_the_default(precision, backend, H):
+    # Settings.cuda_scorer (SP_KPOOL_CUDA_SCORER=1): the backend's chunks scored by the CUDA
+    # scorer, the same ids bit for bit as its default scorer (DeepGEMM, or the Triton kernel
+    # at H 128 and in BF16); a small budget for several chunks, and the clean path
+    # (order="score": the reader needs -inf outside the ranges)
+    import dataclasses
+
+    from sp_kpool.pipeline import solve
+    from sp_kpool.testing.problems import rank_slice_problem
+
+    for order in ("ascending", "score"):
+        p = rank_slice_problem(32768, 4, 3, heads=H, head_dim=128, topk=2048, precision=precision, device="cuda",
+                               max_logits_bytes=256 * 2**20, order=order)  # fmt: skip
+        want = solve(p, backend).ids
+        got = solve(dataclasses.replace(p, settings=p.settings.replace(cuda_scorer=True)), backend).ids
+        assert torch.equal(got, want), order

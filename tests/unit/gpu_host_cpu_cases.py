@@ -322,3 +322,72 @@ def test_row_local_backends_in_interleaved_layouts(monkeypatch, backend, precisi
                     else None, seqs=seqs)  # fmt: skip
     assert torch.equal(got, ref)
     assert int((ref >= 0).sum()) > 0
+
+
+# SP_KPOOL_CUDA_SCORER=1: the deepgemm (FP8) and triton (BF16) backends score with the CUDA
+# scorer (its stand-in: the same arithmetic in each row's range, garbage elsewhere); the host
+# code around it (chunks from the FP32 budget, aligned scales, the masking pass where the
+# reader needs -inf) gives the torch backend's ids. The bits of the real kernel are the GPU
+# tests' business (tests/gpu/test_cuda_fp8_mqa.py).
+CS_CASES = [
+    ("deepgemm", "fp8", 32, 1, "fixed", "ascending", True),
+    ("deepgemm", "fp8", 64, 3, "compact", "score", False),  # -inf outside the ranges (masking pass)
+    ("deepgemm", "fp8", 128, 2, "fixed", "ascending", True),
+    ("triton", "bf16", 32, 1, "fixed", "ascending", True),
+    ("triton", "bf16-serving", 64, 3, "compact", "score", False),
+]
+
+
+@pytest.mark.parametrize("backend,precision,heads,world,tail,order,selector", CS_CASES)
+def test_cuda_scorer_equals_torch(monkeypatch, backend, precision, heads, world, tail, order, selector):
+    import dataclasses
+
+    from sp_kpool.kernels import cuda_fp8_mqa
+
+    if precision == "fp8":
+        x = make_inputs(LENGTHS, heads=heads, head_dim=128, kpool=K, seed=heads + world, dtype=torch.bfloat16)
+        # keys of magnitudes 2^-3 .. 2^3 per token: pools with different scales (a scale read
+        # for the wrong pool changes the ids)
+        g = torch.Generator().manual_seed(world)
+        x = dataclasses.replace(x, k=(x.k.float() * 2.0 ** torch.randint(-3, 4, (x.k.shape[0], 1), generator=g)).bfloat16())
+    else:
+        x = exact_inputs(LENGTHS, heads, 128, seed=heads + world)
+    ref = torch.cat(simulate_ranks(x, world, topk=TOPK, kpool=K, backend="torch", precision=precision, tail=tail,
+                                   order=order))  # fmt: skip
+    installed = standins.install(monkeypatch, triton_selector=selector)
+    settings = dataclasses.replace(installed.settings, cuda_scorer=True)
+    called = []
+    real = cuda_fp8_mqa.score
+    monkeypatch.setattr(cuda_fp8_mqa, "score", lambda q, *a, **kw: called.append((q.dtype, kw["q_blocks"])) or
+                        real(q, *a, **kw))  # fmt: skip
+    got = torch.cat(simulate_ranks(x, world, topk=TOPK, kpool=K, backend=backend, precision=precision, tail=tail,
+                                   order=order, max_logits_bytes=7 * 9 * 4, settings=settings))  # fmt: skip
+    want_dtype = torch.float8_e4m3fn if precision == "fp8" else torch.bfloat16
+    assert called and set(called) == {(want_dtype, 2)}, called
+    assert torch.equal(got, ref)
+    assert int((ref >= 0).sum()) > 0
+
+
+def test_cuda_scorer_needs_no_deep_gemm_but_nvcc(monkeypatch):
+    # with the CUDA scorer the deepgemm backend takes H 32 without deep_gemm; without nvcc
+    # both backends say why they cannot take the call
+    import dataclasses
+
+    from sp_kpool.backends import BACKENDS
+    from sp_kpool.backends import deepgemm_backend as dgb
+    from sp_kpool.kernels import cuda_fp8_mqa
+    from sp_kpool.testing.problems import rank_slice_problem
+
+    settings = dataclasses.replace(standins.install(monkeypatch).settings, cuda_scorer=True)
+    real = dgb.probe
+    monkeypatch.setattr(dgb, "probe", lambda m: (None, "no deep_gemm here") if m == "deep_gemm" else real(m))
+    for backend, precision in (("deepgemm", "fp8"), ("triton", "bf16")):
+        p = rank_slice_problem(64, 1, 0, heads=32, head_dim=128, topk=8, kpool=K, precision=precision, device="cpu")
+        p = dataclasses.replace(p, settings=settings)
+        assert BACKENDS[backend].not_supported_reasons(p) == [], backend
+    monkeypatch.setattr(cuda_fp8_mqa, "nvcc", lambda: None)
+    for backend, precision in (("deepgemm", "fp8"), ("triton", "bf16")):
+        p = rank_slice_problem(64, 1, 0, heads=32, head_dim=128, topk=8, kpool=K, precision=precision, device="cpu")
+        p = dataclasses.replace(p, settings=settings)
+        assert BACKENDS[backend].not_supported_reasons(p) == [
+            "SP_KPOOL_CUDA_SCORER: no nvcc to build the CUDA scorer with (CUDA_HOME, PATH)"], backend
