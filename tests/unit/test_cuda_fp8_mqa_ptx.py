@@ -1,4 +1,4 @@
-"""What a CPU can check of the CUDA FP8 scorer (``sp_kpool/kernels/cuda_fp8_mqa.cu``).
+"""What a CPU can check of the CUDA scorer (``sp_kpool/kernels/cuda_fp8_mqa.cu``).
 
 - Every variant (H 32, 64, 128; one or two query blocks per pool tile; dense and no-store;
   E4M3 and BF16) compiles for sm_90a with the host's nvcc, at 96 registers on entry and
@@ -12,10 +12,10 @@
   flags, stores at H 32 and 64 the same expression for every logit as ours (the dataflow
   of each stored value traced through the PTX to the wgmma accumulators: which products are
   fused and which rounded, the chain order, where the scale applies, the butterfly), which
-  is also the module doc's formula at every H (BF16: without the scale); and both machine codes have the same FP32
-  operation counts (so ptxas contracted nothing of DeepGEMM's) and no local memory. A
-  mapping of accumulators to pools, or the bits of the tensor-core step, are checked on a
-  GPU only: ``tests/gpu/test_cuda_fp8_mqa.py``.
+  is also the module doc's formula at every H (BF16: without the scale); and both machine
+  codes have the same FP32 operation counts (so ptxas contracted nothing of DeepGEMM's) and
+  no local memory. The mapping of accumulators to pools, the tiles' base addresses and the
+  bits of the tensor-core steps are checked on a GPU only: ``tests/gpu/test_cuda_fp8_mqa.py``.
 - The debug build (``KPOOL_DEBUG``: a stuck pipeline wait prints and traps) compiles.
 - The Python side: argument errors name the argument; the library is built once per source
   and compiler and reused; its C entry point reports an unknown variant.
@@ -27,6 +27,7 @@ comparison skips, except under CI (``SP_KPOOL_CI`` or ``CI``), where it fails.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import re
 import shutil
@@ -156,7 +157,9 @@ def _ours(name: str) -> tuple[int, int, int, int]:
     return int(h), int(nqb), int(mode), int(dt)
 
 
-VARIANTS = sorted((h, q, md, dt) for h in m.HEADS for q in (1, 2) for md in m.MODES.values() for dt in m.DTYPES.values())
+#: (H, NQB, MODE, DT) of every compiled kernel
+VARIANTS = sorted((h, q, md, dt) for h in m.HEADS for q in (1, 2) for md in m.MODES.values()
+                  for dt in m.DTYPES.values())  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +182,8 @@ def test_every_variant_compiles_at_96_registers_without_spills(tmp_path):
     assert sorted(_ours(k) for k, _, _ in kernels) == VARIANTS
     for name, spill, regs in kernels:
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in spill, (_ours(name), spill)
-        # 96 on entry (640 threads, one CTA per SM); setmaxnreg moves 32 x 128 to the math warps
+        # 96 on entry (640 threads, one CTA per SM); setmaxnreg then moves 128 x 64 registers
+        # from the producer warpgroup (down to 32) to the 512 math threads (up to 112)
         assert int(regs) == 96, (_ours(name), regs)
     assert "warning" not in report.lower(), report  # e.g. C7508: setmaxnreg ignored
 
@@ -241,6 +245,7 @@ def test_wgmma_steps_walk_the_swizzled_tiles(our_ptx):
                 _ours(name), k, ak - a0, bk - b0)  # fmt: skip
         for c in (a0, b0):
             assert c >> 62 == 1 and (c >> 32) & 0x3FFF == 1024 // 16 and (c >> 16) & 0x3FFF == 0, (_ours(name), hex(c))
+
 
 def _deepgemm_wheel() -> Path | None:
     env = os.environ.get("SP_KPOOL_DEEPGEMM_WHEEL")
@@ -326,15 +331,13 @@ def test_stored_logits_are_the_formula_and_deepgemms_expressions(our_ptx, deepge
 
 
 def _cuobjdump() -> str | None:
-    """The ``cuobjdump`` of Triton's package (the test extra installs Triton), else on PATH."""
-    try:
-        import triton
-
-        cand = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    """The ``cuobjdump`` of Triton's package (the test extra installs Triton; found without
+    importing it), else on PATH."""
+    spec = importlib.util.find_spec("triton")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        cand = Path(root) / "backends" / "nvidia" / "bin" / "cuobjdump"
         if cand.is_file():
             return str(cand)
-    except ImportError:
-        pass
     return shutil.which("cuobjdump")
 
 
