@@ -65,16 +65,16 @@ case $part in
     ;;
   cuda)
     # the tests first, under a short limit: a wrong pipeline wait hangs rather than fails
-    timeout 220 python3 -m pytest tests/gpu/test_cuda_fp8_mqa.py -q -rA -x --junitxml="$out/cuda_fp8_mqa.xml" 2>&1 \
+    timeout 260 python3 -m pytest tests/gpu/test_cuda_fp8_mqa.py -q -rA -x --junitxml="$out/cuda_fp8_mqa.xml" 2>&1 \
       | filter > "$out/cuda_fp8_mqa.log"
     echo "test_cuda_fp8_mqa rc=${PIPESTATUS[0]}: $(tail -n 1 "$out/cuda_fp8_mqa.log")"; grep "^FAILED\|^ERROR\|Error" "$out/cuda_fp8_mqa.log" | cut -c1-400 | head -n 8
     lib=$(python3 -c "from sp_kpool.kernels import cuda_fp8_mqa as m; print(m.build())" 2>/dev/null)
     if [ -n "$lib" ] && command -v cuobjdump >/dev/null; then
       cuobjdump --dump-sass "$lib" > "$out/cuda_fp8_mqa.sass"
-      echo "SASS: QGMMA $(grep -c QGMMA "$out/cuda_fp8_mqa.sass"), HMMA $(grep -c HMMA "$out/cuda_fp8_mqa.sass"), FFMA $(grep -c FFMA "$out/cuda_fp8_mqa.sass"), FMUL $(grep -c FMUL "$out/cuda_fp8_mqa.sass"), FADD $(grep -c FADD "$out/cuda_fp8_mqa.sass")"
+      echo "SASS: QGMMA $(grep -c QGMMA "$out/cuda_fp8_mqa.sass"), HGMMA $(grep -c HGMMA "$out/cuda_fp8_mqa.sass"), HMMA $(grep -c HMMA "$out/cuda_fp8_mqa.sass"), FFMA $(grep -c FFMA "$out/cuda_fp8_mqa.sass"), FMUL $(grep -c FMUL "$out/cuda_fp8_mqa.sass"), FADD $(grep -c FADD "$out/cuda_fp8_mqa.sass")"
       xz -9 "$out/cuda_fp8_mqa.sass"
     fi
-    timeout 270 python3 scripts/bench_cuda_scorer.py --heads 32,64 --cases W --out "$out" 2>&1 | filter > "$out/bench_cuda_scorer.log"
+    timeout 240 python3 scripts/bench_cuda_scorer.py --heads 32,64 --cases W --out "$out" 2>&1 | filter > "$out/bench_cuda_scorer.log"
     cut -c1-1200 "$out/bench_cuda_scorer.log"
     ;;
   cudawhole)
