@@ -113,10 +113,7 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
-// Waits until the barrier's phase of the given parity has completed. Built with
-// -DKPOOL_DEBUG (cuda_fp8_mqa.py's debug=True), a wait that spins about 2^30 times (seconds)
-// prints which barrier, stage and parity it waited for and traps: a broken pipeline then
-// fails with its place instead of hanging.
+// Whether the barrier's phase of the given parity has completed (one try).
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
   asm volatile(
@@ -131,6 +128,10 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   return done != 0;
 }
 
+// Waits until the barrier's phase of the given parity has completed. Built with
+// -DKPOOL_DEBUG (cuda_fp8_mqa.py's debug=True), a wait that spins about 2^30 times (seconds)
+// prints which barrier (`what`), stage and parity it waited for and traps: a broken pipeline
+// then fails with its place instead of hanging.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity, const char* what, int stage) {
 #ifdef KPOOL_DEBUG
   for (uint64_t spins = 0; !mbar_try_wait(bar, parity); ++spins) {
