@@ -17,7 +17,8 @@ ratio to the reference; whether the dense logits equal the reference's bit for b
 row's range (``torch.equal`` of the int32 views); and the dense path's two largest stages,
 scorer + the Triton selector (``k`` 512, as topk 2048 at kpool 4), with each scorer (ids
 equal, times). Writes ``bench_cuda_scorer.json``; a failing arm is recorded with its error
-and the run goes on.
+and the run goes on. ``--profile``: one launch of each scorer for the first case, H and
+precision, nothing timed or written (for ``ncu``: ``gpu_evidence.sh cudancu``).
 """
 
 from __future__ import annotations
@@ -122,13 +123,40 @@ def one(case: str, H: int, precision: str) -> dict:
     return res
 
 
+def profile_launches(case: str, H: int, precision: str) -> None:
+    """One launch of each scorer on the case's inputs, nothing timed: for a profiler that
+    captures them (``--profile``; ``gpu_evidence.sh cudancu`` runs it under ``ncu``). Order:
+    the reference, then the CUDA kernel dense and without stores, one and two query blocks."""
+    from sp_kpool.kernels import cuda_fp8_mqa as cu
+    from sp_kpool.kernels import triton_fp8_fused as ff
+
+    q, w, k, sc, ks, ke = inputs(CASES[case], H, precision)
+    if precision == "fp8":
+        import deep_gemm
+
+        deep_gemm.fp8_mqa_logits(q, (k, sc), w, ks, ke, clean_logits=False)
+    else:
+        ff.score_select(q, w, k, None, ks, ke, 1, dense=True, fill=None)
+    out = torch.empty(q.shape[0], k.shape[0], dtype=torch.float32, device="cuda")
+    for nqb in (1, 2):
+        cu.score(q, w, k, sc, ks, ke, q_blocks=nqb, out=out)
+        cu.score(q, w, k, sc, ks, ke, mode="nostore", q_blocks=nqb)
+    torch.cuda.synchronize()
+    log({"profiled": case, "H": H, "precision": precision})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", default="32,64")
     ap.add_argument("--cases", default="W,W262k")
     ap.add_argument("--precisions", default="fp8,bf16")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true",
+                    help="one launch of each scorer for the first case, H and precision, nothing timed (under ncu)")
     args = ap.parse_args()
+    if args.profile:
+        profile_launches(args.cases.split(",")[0], int(args.heads.split(",")[0]), args.precisions.split(",")[0])
+        return
     doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
     for precision in args.precisions.split(","):

@@ -13,6 +13,8 @@
 #                                                 # bench_cuda_scorer.py on the slice (FP8 and BF16)
 #   bash scripts/gpu_evidence.sh cudawhole OUTDIR # whole calls with SP_KPOOL_CUDA_SCORER=1 against the defaults
 #                                                 # (bench_budget.py, +cuda arms: time, peak memory, ids)
+#   bash scripts/gpu_evidence.sh cudancu OUTDIR   # ncu of DeepGEMM's kernel and the CUDA scorer's four variants
+#                                                 # on the slice (FP8, H 32): throughput, occupancy, stalls
 set -uo pipefail
 part=$1
 out=$2
@@ -76,6 +78,25 @@ case $part in
     fi
     timeout 240 python3 scripts/bench_cuda_scorer.py --heads 32,64 --cases W --out "$out" 2>&1 | filter > "$out/bench_cuda_scorer.log"
     cut -c1-1200 "$out/bench_cuda_scorer.log"
+    ;;
+  cudancu)
+    timeout 540 ncu --clock-control none --target-processes all -k regex:fp8_mqa --section SpeedOfLight \
+      --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+      -o "$out/cuda_scorer_ncu" python3 scripts/bench_cuda_scorer.py --profile --cases W --heads 32 --precisions fp8 \
+      > "$out/cuda_scorer_ncu.log" 2>&1
+    echo "ncu rc=$?"; tail -n 5 "$out/cuda_scorer_ncu.log"
+    ncu --import "$out/cuda_scorer_ncu.ncu-rep" --page details --csv > "$out/cuda_scorer_ncu.csv" 2>/dev/null
+    python3 - "$out/cuda_scorer_ncu.csv" <<'PY'
+import csv, sys
+want = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "L2 Cache Throughput", "Achieved Occupancy",
+        "Registers Per Thread")
+rows = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    if r.get("Metric Name") in want:
+        rows.setdefault((r["ID"], r["Kernel Name"][:60]), {})[r["Metric Name"]] = r["Metric Value"] + " " + r["Metric Unit"]
+for (i, name), m in rows.items():
+    print(i, name, "|", "; ".join(f"{k}: {m.get(k, '-')}" for k in want))
+PY
     ;;
   cudawhole)
     timeout 400 python3 scripts/bench_budget.py --cases W,packed64 --heads 32,64 --budgets 2048 \
