@@ -1,17 +1,20 @@
-"""The CUDA FP8 scorer (:mod:`sp_kpool.kernels.cuda_fp8_mqa`) on a Hopper GPU: first a small
-smoke test of every variant with the debug build (a stuck pipeline traps, naming its
-barrier); then its dense
-mode's logits bit for bit DeepGEMM's ``fp8_mqa_logits`` (``torch.equal`` on the int32 view of
-every in-range cell) at H 32 and 64, with one and two query blocks per pool tile, on random
-inputs, heavy ties, ReLU plateaus, NaN and infinities, rows not multiples of the tiles, empty
-rows and starts that are not multiples of 4; at H 128 (which DeepGEMM's SM90 API refuses)
-bit for bit the Triton kernel's dense mode, itself checked against DeepGEMM's chains
-(``test_fused_fp8.py``); on BF16 inputs bit for bit the Triton kernel's BF16 dense mode
-(the ``triton`` backend's scorer) at H 32, 64, 128; repeated calls bitwise equal; the
-no-store mode runs to the end; whole calls with ``SP_KPOOL_CUDA_SCORER=1`` give the ids of
-the backends' default scorers;
-argument errors on CUDA tensors. Run each file under a time limit: a wrong pipeline wait
-would hang (``scripts/gpu_evidence.sh cuda`` does)."""
+"""The CUDA scorer (:mod:`sp_kpool.kernels.cuda_fp8_mqa`) on a Hopper GPU.
+
+- First, small: a smoke test of every variant with the debug build (a stuck pipeline traps,
+  naming its barrier).
+- Its dense mode's logits bit for bit DeepGEMM's ``fp8_mqa_logits`` (``torch.equal`` on the
+  int32 view of every in-range cell) at H 32 and 64, with one and two query blocks per pool
+  tile, on random inputs, heavy ties, ReLU plateaus, NaN and infinities, rows not multiples
+  of the tiles, empty rows and starts that are not multiples of 4.
+- At H 128 (which DeepGEMM's SM90 API refuses) bit for bit the Triton kernel's dense mode,
+  itself checked against DeepGEMM's chains (``test_fused_fp8.py``); on BF16 inputs bit for
+  bit the Triton kernel's BF16 dense mode (the ``triton`` backend's scorer) at H 32, 64, 128.
+- Repeated calls bitwise equal; the no-store mode runs to the end; argument errors on CUDA
+  tensors; whole calls with ``SP_KPOOL_CUDA_SCORER=1`` give the ids of the backends' default
+  scorers.
+
+Run the file under a time limit: a wrong pipeline wait in the release build would hang
+(``scripts/gpu_evidence.sh cuda`` does)."""
 
 import pytest
 import torch
