@@ -1,7 +1,7 @@
 """The GPU backends' host code on CPU: ``deepgemm``, ``tilelang`` and ``triton`` with the
-kernels they launch replaced by :mod:`sp_kpool.testing.standins` (DeepGEMM, TileLang) or run
-by Triton's CPU interpreter (pools, queries, ranges, scorer, selector, expansion), against
-the torch backend, bit for bit.
+kernels they launch replaced by :mod:`sp_kpool.testing.standins` (DeepGEMM, TileLang, the
+CUDA scorer of ``SP_KPOOL_CUDA_SCORER=1``) or run by Triton's CPU interpreter (pools,
+queries, ranges, scorer, selector, expansion), against the torch backend, bit for bit.
 
 Not collected directly (the name does not start with ``test_``):
 ``test_gpu_host_cpu.py`` runs this file in a child pytest with ``TRITON_INTERPRET=1``.
@@ -349,7 +349,8 @@ def test_cuda_scorer_equals_torch(monkeypatch, backend, precision, heads, world,
         # keys of magnitudes 2^-3 .. 2^3 per token: pools with different scales (a scale read
         # for the wrong pool changes the ids)
         g = torch.Generator().manual_seed(world)
-        x = dataclasses.replace(x, k=(x.k.float() * 2.0 ** torch.randint(-3, 4, (x.k.shape[0], 1), generator=g)).bfloat16())
+        mag = 2.0 ** torch.randint(-3, 4, (x.k.shape[0], 1), generator=g)
+        x = dataclasses.replace(x, k=(x.k.float() * mag).bfloat16())
     else:
         x = exact_inputs(LENGTHS, heads, 128, seed=heads + world)
     ref = torch.cat(simulate_ranks(x, world, topk=TOPK, kpool=K, backend="torch", precision=precision, tail=tail,
