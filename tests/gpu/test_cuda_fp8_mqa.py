@@ -31,16 +31,7 @@ def _visible(starts, ends, P):
 
 def _bf16_inputs(S, H, P, seed, case):
     """BF16 queries and keys (no scales) of the same cases: the ``triton`` backend's inputs."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(S, H, 128, generator=g, device="cuda")
-    kv = torch.randn(P, 128, generator=g, device="cuda")
-    if case == "ties":
-        q, kv = torch.round(q * 2) / 2, torch.round(kv * 2) / 2
-    w = torch.randn(S, H, generator=g, device="cuda") * 0.2
-    if case == "plateau":
-        w[::3] = 0.0
-        w[1::3] = w[1::3].abs() * -1
-    return q.bfloat16(), w, kv.bfloat16(), None
+    return _inputs(S, H, P, seed, case, dtype=torch.bfloat16)
 
 
 def _odd_ranges(S, P, seed):

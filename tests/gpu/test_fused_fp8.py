@@ -21,7 +21,9 @@ from sp_kpool.testing.problems import rank_slice_problem
 pytestmark = [pytest.mark.requires("deep_gemm", "triton"), pytest.mark.xdist_group("gpu")]
 
 
-def _inputs(S, H, P, seed, case):
+def _inputs(S, H, P, seed, case, dtype=torch.float8_e4m3fn):
+    """``(q [S, H, 128], w [S, H], kv [P, 128], scale [P])`` of a case, in ``dtype``
+    (``bfloat16``: no scale, ``None``; the BF16 arithmetic has none)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(S, H, 128, generator=g, device="cuda")
     kv = torch.randn(P, 128, generator=g, device="cuda")
@@ -36,7 +38,7 @@ def _inputs(S, H, P, seed, case):
         scale[[5, 77, 300]] = torch.tensor([float("nan"), float("inf"), -float("inf")], device="cuda")
         w[2, 5] = float("nan")
         w[4, 0] = float("inf")
-    return q.to(torch.float8_e4m3fn), w, kv.to(torch.float8_e4m3fn), scale
+    return q.to(dtype), w, kv.to(dtype), scale if dtype == torch.float8_e4m3fn else None
 
 
 def _ranges(S, P, seed):
