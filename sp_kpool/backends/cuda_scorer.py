@@ -11,6 +11,8 @@ setting is off by default and nothing chooses it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..selectors import reads_row_ranges_only
@@ -23,8 +25,11 @@ __all__ = ["cuda_scorer_reasons", "score_cuda", "Q_BLOCKS"]
 #: not yet measured against 1.
 Q_BLOCKS = 2
 
-#: Rows per block of the masking pass of :func:`score_cuda` (bounds its temporary mask).
-_MASK_ROWS = 4096
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device ``index``, asked once per process."""
+    return torch.cuda.get_device_capability(index)
 
 
 def cuda_scorer_reasons(problem: Problem) -> list[str]:
@@ -35,9 +40,9 @@ def cuda_scorer_reasons(problem: Problem) -> list[str]:
 
     reasons = []
     dev = problem.device
-    if dev is not None and getattr(dev, "type", None) == "cuda" and torch.cuda.get_device_capability(dev) != (9, 0):
+    if dev is not None and getattr(dev, "type", None) == "cuda" and _capability(dev.index or 0) != (9, 0):
         reasons.append(f"SP_KPOOL_CUDA_SCORER: the CUDA scorer is built for sm_90a (Hopper), device {dev} has "
-                       f"{torch.cuda.get_device_capability(dev)}")  # fmt: skip
+                       f"{_capability(dev.index or 0)}")  # fmt: skip
     if problem.heads not in cuda_fp8_mqa.HEADS or problem.head_dim != 128:
         reasons.append(f"SP_KPOOL_CUDA_SCORER: the CUDA scorer takes H in {list(cuda_fp8_mqa.HEADS)} and D 128, "
                        f"got H {problem.heads}, D {problem.head_dim}")  # fmt: skip
@@ -50,10 +55,10 @@ def score_cuda(problem: Problem, q, w, keys, scales, starts, ends, backend: str)
     """A chunk's logits by the CUDA scorer: ``q [C, H, 128]`` E4M3 with ``scales [n]`` FP32,
     or BF16 with ``scales=None``; ``w [C, H]`` folded FP32 weights; ``keys [n, 128]``;
     ``starts``/``ends [C]`` int32. Returns ``[C, n]`` FP32 scores, column ``c`` the pool
-    ``keys[c]``; cells outside each row's range ``-inf`` where a reader needs it (a masking
-    pass after the kernel), else left as the kernel leaves them (as ``fp8_mqa_logits``
-    without ``clean_logits``). Raises if the logits would exceed the call's budget (the
-    message names ``backend``)."""
+    ``keys[c]``; cells outside each row's range hold what the kernel left there, marked
+    ``masked`` only where the reader reads the ranges alone (otherwise the pipeline masks
+    them, as for the torch backend). Raises if the logits would exceed the call's budget
+    (the message names ``backend``)."""
     from ..kernels import cuda_fp8_mqa
 
     C, n = q.shape[0], keys.shape[0]
@@ -66,10 +71,4 @@ def score_cuda(problem: Problem, q, w, keys, scales, starts, ends, backend: str)
     starts, ends = starts.to(torch.int32).contiguous(), ends.to(torch.int32).contiguous()
     out = torch.empty((C, n), dtype=torch.float32, device=q.device)
     cuda_fp8_mqa.score(q.contiguous(), w.contiguous(), keys, scales, starts, ends, q_blocks=Q_BLOCKS, out=out)
-    if not reads_row_ranges_only(problem.topk // problem.kpool, n, problem.order):
-        cols = torch.arange(n, device=q.device)
-        for r0 in range(0, C, _MASK_ROWS):
-            r1 = min(r0 + _MASK_ROWS, C)
-            inside = (cols[None] >= starts[r0:r1, None]) & (cols[None] < ends[r0:r1, None])
-            out[r0:r1].masked_fill_(~inside, float("-inf"))
-    return ChunkScores(out, masked=True)
+    return ChunkScores(out, masked=reads_row_ranges_only(problem.topk // problem.kpool, n, problem.order))

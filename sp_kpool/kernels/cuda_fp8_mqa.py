@@ -50,8 +50,10 @@ ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 FLAGS = ("-std=c++17", "-O3", ARCH)
 
 
+@functools.lru_cache(maxsize=1)
 def nvcc() -> str | None:
-    """The path of the ``nvcc`` used to build the kernel, or ``None`` when none is found."""
+    """The path of the ``nvcc`` used to build the kernel, or ``None`` when none is found
+    (looked up once per process: the backends ask on every call)."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     for cand in ([os.path.join(home, "bin", "nvcc")] if home else []) + [shutil.which("nvcc") or "",
                                                                            "/usr/local/cuda/bin/nvcc"]:  # fmt: skip

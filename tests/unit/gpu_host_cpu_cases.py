@@ -326,12 +326,12 @@ def test_row_local_backends_in_interleaved_layouts(monkeypatch, backend, precisi
 
 # SP_KPOOL_CUDA_SCORER=1: the deepgemm (FP8) and triton (BF16) backends score with the CUDA
 # scorer (its stand-in: the same arithmetic in each row's range, garbage elsewhere); the host
-# code around it (chunks from the FP32 budget, aligned scales, the masking pass where the
-# reader needs -inf) gives the torch backend's ids. The bits of the real kernel are the GPU
+# code around it (chunks from the FP32 budget, aligned scales, the pipeline's masking where
+# the reader needs -inf) gives the torch backend's ids. The bits of the real kernel are the GPU
 # tests' business (tests/gpu/test_cuda_fp8_mqa.py).
 CS_CASES = [
     ("deepgemm", "fp8", 32, 1, "fixed", "ascending", True),
-    ("deepgemm", "fp8", 64, 3, "compact", "score", False),  # -inf outside the ranges (masking pass)
+    ("deepgemm", "fp8", 64, 3, "compact", "score", False),  # the reader needs -inf outside the ranges: not masked
     ("deepgemm", "fp8", 128, 2, "fixed", "ascending", True),
     ("triton", "bf16", 32, 1, "fixed", "ascending", True),
     ("triton", "bf16-serving", 64, 3, "compact", "score", False),
