@@ -1,7 +1,8 @@
 """sp_kpool: sequence-parallel GLM-5.3 KPool sparse-attention indexer.
 
-Public API: :class:`ShardedSequence`, :func:`kpool_topk`, :class:`KPoolIndexer`, and the
-records :class:`KPoolConfig`, :class:`RunOptions` and :class:`Settings`.
+Public API: :class:`ShardedSequence`, :func:`kpool_topk`, :class:`KPoolIndexer`, the
+indexer's training loss :func:`indexer_kl_loss` with its teachers :class:`TokenMass` and
+:class:`AttentionTeacher`, and the records :class:`KPoolConfig`, :class:`RunOptions` and :class:`Settings`.
 Importing is silent and CPU-safe; optional GPU packages are probed lazily.
 """
 
@@ -10,6 +11,8 @@ from .config import KPoolConfig, RunOptions
 from .indexer import KPoolIndexer
 from .settings import Settings
 from .sharding import ShardedSequence
+from .training import AttentionTeacher, TokenMass, indexer_kl_loss
 
-__all__ = ["ShardedSequence", "kpool_topk", "KPoolIndexer", "KPoolConfig", "RunOptions", "Settings", "__version__"]
+__all__ = ["ShardedSequence", "kpool_topk", "KPoolIndexer", "KPoolConfig", "RunOptions", "Settings", "indexer_kl_loss", "TokenMass",
+           "AttentionTeacher", "__version__"]
 __version__ = "0.1.0"
