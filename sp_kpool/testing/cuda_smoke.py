@@ -9,11 +9,12 @@ A variant is ``h{H}-qb{q_blocks}-{mode}-{dtype}``: H of ``HEADS``, one or two qu
 per pool tile, ``dense`` or ``nostore``, ``fp8`` (E4M3) or ``bf16``. The run: the library
 built with ``KPOOL_DEBUG`` (a pipeline wait still open after 1 s prints its barrier and
 traps), 67 rows with odd ranges (:func:`~sp_kpool.testing.gpu_checks.scorer_ranges`) against
-517 pools, launched on the device's full grid and on two CTAs (each then runs 4 to 34
-tasks and 16 to 58 pool tiles, so the pipeline's stages wrap two to fifteen times and both
-barrier parities are waited on), each launch synchronised. ``dense``: the in-range logits of both launches equal the Triton kernel's
-dense mode bit for bit (in FP8 DeepGEMM's bits: ``tests/gpu/test_fused_fp8.py``);
-``nostore``: both launches run to the end.
+517 pools, launched on the device's full grid and on two CTAs (each then runs about 4 to 34
+tasks and 16 to 58 pool tiles, counted on ranges of the same distribution drawn on a CPU: the
+pipeline's stages wrap two to fifteen times, both barrier parities waited on), each launch
+synchronised. ``dense``: the in-range logits of both
+launches equal the Triton kernel's dense mode bit for bit (in FP8 DeepGEMM's bits:
+``tests/gpu/test_fused_fp8.py``); ``nostore``: both launches run to the end.
 
 The line: ``cuda_smoke VARIANT: STATUS DETAIL (SECONDS s)``, STATUS one of ``pass``, ``fail``
 (a logit differs), ``trap`` (the CUDA error of a trap: the debug build's deadline on a stuck
@@ -73,7 +74,8 @@ def run(variant: str) -> tuple[str, str]:
         if any(bad):
             return "fail", f"{bad[0]} and {bad[1]} of {want.numel()} logits differ from the Triton kernel's (grid: " \
                            f"the device's, {SMALL_GRID})"  # fmt: skip
-        return "pass", f"{want.numel()} logits of each launch equal the Triton kernel's (grid: the device's, {SMALL_GRID})"
+        return "pass", f"{want.numel()} logits of each launch equal the Triton kernel's (grid: the device's, " \
+                       f"{SMALL_GRID})"  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the line names what went wrong
         msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:500]
         if "CUDA error" not in msg and "AcceleratorError" not in msg:

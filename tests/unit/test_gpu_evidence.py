@@ -54,8 +54,12 @@ def test_syntax():
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("args,message", [((), "usage: "), (("cuda",), "usage: "), (("nopart", "out"), "unknown part: nopart"),
-                                          (("--dry-run", "check", "out"), "check runs its commands directly")])  # fmt: skip
+@pytest.mark.parametrize("args,message", [
+    ((), "usage: "),
+    (("cuda",), "usage: "),
+    (("nopart", "out"), "unknown part: nopart"),
+    (("--dry-run", "check", "out"), "check runs its commands directly"),
+])  # fmt: skip
 def test_usage_errors(args, message):
     done = _run(*args)
     assert done.returncode == 2 and message in done.stderr, (done.stdout, done.stderr)
