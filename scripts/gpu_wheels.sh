@@ -4,6 +4,7 @@
 # each small enough (< 64 MiB) to be copied to the host on its own:
 #
 #   OUT/a  z3-solver, apache-tvm-ffi, torch-c-dlpack-ext, tokenspeed-deepgemm (deep_gemm),
+#          pytest-timeout (the per-test limit of `scripts/gpu_evidence.sh cudatests`),
 #          and lmdeploy_kernels.tgz (see below)
 #   OUT/b  tilelang
 #
@@ -59,7 +60,8 @@ download "$out/a" \
   "z3-solver==4.15.4.0" \
   "apache-tvm-ffi==0.1.12" \
   "torch-c-dlpack-ext==0.1.5" \
-  "tokenspeed-deepgemm==2.5.0.post20260629"
+  "tokenspeed-deepgemm==2.5.0.post20260629" \
+  "pytest-timeout==2.4.0"
 download "$out/b" "tilelang==0.1.15"
 
 if [ ! -f "$out/a/lmdeploy_kernels.tgz" ]; then

@@ -129,13 +129,26 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
 }
 
 // Waits until the barrier's phase of the given parity has completed. Built with
-// -DKPOOL_DEBUG (cuda_fp8_mqa.py's debug=True), a wait that spins about 2^30 times (seconds)
+// -DKPOOL_DEBUG (cuda_fp8_mqa.py's debug=True), a wait still open kDebugWaitNs after its first
+// failed try (by the global nanosecond timer, so the same wall time on every clock and load)
 // prints which barrier (`what`), stage and parity it waited for and traps: a broken pipeline
-// then fails with its place instead of hanging.
+// then fails with its place within about a second instead of hanging.
+#ifdef KPOOL_DEBUG
+constexpr uint64_t kDebugWaitNs = 1000000000ull;  // 1 s: a legitimate wait lasts micro- to milliseconds
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity, const char* what, int stage) {
 #ifdef KPOOL_DEBUG
-  for (uint64_t spins = 0; !mbar_try_wait(bar, parity); ++spins) {
-    if (spins == (uint64_t(1) << 30)) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t start = global_timer_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    if (global_timer_ns() - start >= kDebugWaitNs) {
       printf("kpool_fp8_mqa: block %d thread %d waited too long for %s[%d] parity %u\n", blockIdx.x, threadIdx.x,
              what, stage, parity);
       __trap();

@@ -66,8 +66,8 @@ def compile_command(compiler: str, output: str, *, ptx: bool = False, verbose: b
                     debug: bool = False) -> list[str]:  # fmt: skip
     """The ``nvcc`` command that builds :data:`SOURCE` into ``output``: the shared library
     (``ptx=False``) or its PTX (``ptx=True``); ``verbose`` adds ptxas' resource report;
-    ``debug`` defines ``KPOOL_DEBUG`` (a pipeline wait that spins for seconds prints its
-    barrier and traps instead of hanging)."""
+    ``debug`` defines ``KPOOL_DEBUG`` (a pipeline wait still open after 1 s by the
+    GPU's global timer prints its barrier and traps instead of hanging)."""
     kind = ["-ptx"] if ptx else ["-shared", "-Xcompiler", "-fPIC"]
     extra = (["-Xptxas", "-v"] if verbose else []) + (["-DKPOOL_DEBUG"] if debug else [])
     return [compiler, *FLAGS, *kind, *extra, str(SOURCE), "-o", output]
@@ -149,8 +149,8 @@ def score(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scales: to
     q_blocks: query blocks (of ``128 / H`` rows) per task that share each pool tile, 1 or 2.
     out: ``[S, >= P]`` ``float32`` with unit column stride (``mode="dense"``).
     grid: most CTAs (default: the device's multiprocessor count).
-    debug: use the library built with ``KPOOL_DEBUG``: a pipeline wait that spins for
-        seconds prints its barrier, stage and parity and traps (a CUDA error, not a hang).
+    debug: use the library built with ``KPOOL_DEBUG``: a pipeline wait still open after
+        1 s prints its barrier, stage and parity and traps (a CUDA error, not a hang).
 
     Needs a CUDA device of compute capability 9.0 (the kernel is built for sm_90a only).
     Raises ``TypeError``/``ValueError`` naming the argument, ``RuntimeError`` for the build

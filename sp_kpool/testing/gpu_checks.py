@@ -1,5 +1,7 @@
-"""Helpers of the GPU tests (``tests/gpu``): near-tie comparison of two selections and the
-float64 pool scores it needs.
+"""Helpers of the GPU tests (``tests/gpu``): the scorers' input cases (:func:`scorer_inputs`,
+:func:`scorer_ranges`, :func:`visible`: the Triton kernel's and the CUDA scorer's tests and
+the CUDA scorer's smoke run, :mod:`sp_kpool.testing.cuda_smoke`); near-tie comparison of two
+selections and the float64 pool scores it needs.
 
 Two implementations of the same arithmetic may select different pools where scores are
 within rounding of the selection boundary; :func:`near_tie_rows` accepts those rows and
@@ -13,7 +15,59 @@ import torch
 from ..pooling import pool_table
 from ..selection import row_meta
 
-__all__ = ["ids_of", "near_tie_rows", "bf16_row_scores", "fp8_row_scores"]
+__all__ = ["scorer_inputs", "scorer_ranges", "visible", "ids_of", "near_tie_rows", "bf16_row_scores",
+           "fp8_row_scores"]  # fmt: skip
+
+#: Input cases of :func:`scorer_inputs`.
+CASES = ("random", "ties", "plateau", "nonfinite")
+
+
+def scorer_inputs(S: int, H: int, P: int, seed: int, case: str, dtype=torch.float8_e4m3fn, device="cuda"):
+    """``(q [S, H, 128], w [S, H] fp32, kv [P, 128], scale [P] fp32)`` of a scorer case, ``q``
+    and ``kv`` in ``dtype`` (``bfloat16``: ``scale`` is ``None``, the BF16 arithmetic has
+    none). Cases: ``random``; ``ties`` (values on a grid of 1/2: many equal logits);
+    ``plateau`` (every third row's weights zero, the next third's negative: scores <= 0);
+    ``nonfinite`` (NaN, +inf and -inf pool scales, a NaN and an infinite head weight; needs
+    ``S >= 5``, ``P >= 301``)."""
+    if case not in CASES:
+        raise ValueError(f"case: expected one of {list(CASES)}, got {case!r}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(S, H, 128, generator=g, device=device)
+    kv = torch.randn(P, 128, generator=g, device=device)
+    if case == "ties":
+        q, kv = torch.round(q * 2) / 2, torch.round(kv * 2) / 2
+    w = torch.randn(S, H, generator=g, device=device) * 0.2
+    scale = 2.0 ** torch.randint(-4, 4, (P,), generator=g, device=device).float()
+    if case == "plateau":
+        w[::3] = 0.0
+        w[1::3] = w[1::3].abs() * -1  # every score <= 0
+    if case == "nonfinite":
+        scale[[5, 77, 300]] = torch.tensor([float("nan"), float("inf"), -float("inf")], device=device)
+        w[2, 5] = float("nan")
+        w[4, 0] = float("inf")
+    return q.to(dtype), w, kv.to(dtype), scale if dtype == torch.float8_e4m3fn else None
+
+
+def scorer_ranges(S: int, P: int, seed: int, odd: bool = False, device="cuda"):
+    """``(starts, ends)`` ``[S]`` int32: random pool ranges, the first three rows ``[0, P)``;
+    ``odd`` also an empty row (5), a one-pool row whose start is not a multiple of 4 (6) and
+    a row of the last three pools (7) (needs ``S >= 8``, ``P >= 8``)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ends = torch.randint(0, P + 1, (S,), generator=g, device=device)
+    starts = (ends - torch.randint(0, P + 1, (S,), generator=g, device=device)).clamp(min=0)
+    ends[:3] = P
+    starts[:3] = 0
+    if odd:
+        starts[5], ends[5] = 7, 7
+        starts[6], ends[6] = 1, 2
+        starts[7], ends[7] = P - 3, P
+    return starts.int(), ends.int()
+
+
+def visible(starts: torch.Tensor, ends: torch.Tensor, P: int) -> torch.Tensor:
+    """``[S, P]`` bool: whether pool ``p`` lies in row ``i``'s range ``[starts[i], ends[i])``."""
+    cols = torch.arange(P, device=starts.device)
+    return (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
 
 
 def ids_of(backend: str, problem) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The CUDA scorer (:mod:`sp_kpool.kernels.cuda_fp8_mqa`) on a Hopper GPU.
 
-- First, small: a smoke test of every variant with the debug build (a stuck pipeline traps,
-  naming its barrier).
+- First, small: the smoke run of every variant with the debug build
+  (:mod:`sp_kpool.testing.cuda_smoke`: a stuck pipeline wait traps after 1 s, naming its
+  barrier; launches on the full grid and on two CTAs, so the stages wrap).
 - Its dense mode's logits bit for bit DeepGEMM's ``fp8_mqa_logits`` (``torch.equal`` on the
   int32 view of every in-range cell) at H 32 and 64, with one and two query blocks per pool
   tile, on random inputs, heavy ties, ReLU plateaus, NaN and infinities, rows not multiples
@@ -14,53 +15,26 @@
   scorers.
 
 Run the file under a time limit: a wrong pipeline wait in the release build would hang
-(``scripts/gpu_evidence.sh cuda`` does)."""
+(``scripts/gpu_evidence.sh cudatests`` runs each test function in its own process under
+pytest-timeout, after ``cudasmoke`` ran each variant in its own process)."""
 
 import pytest
 import torch
 
-from test_fused_fp8 import _inputs, _ranges  # the same input cases as the Triton kernel's tests
+from sp_kpool.testing import cuda_smoke
+from sp_kpool.testing.gpu_checks import scorer_inputs, scorer_ranges, visible
 
 pytestmark = [pytest.mark.requires("deep_gemm", "triton"), pytest.mark.xdist_group("gpu")]
 
 
-def _visible(starts, ends, P):
-    cols = torch.arange(P, device="cuda")
-    return (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
-
-
-def _bf16_inputs(S, H, P, seed, case):
-    """BF16 queries and keys (no scales) of the same cases: the ``triton`` backend's inputs."""
-    return _inputs(S, H, P, seed, case, dtype=torch.bfloat16)
-
-
-def _odd_ranges(S, P, seed):
-    starts, ends = _ranges(S, P, seed)
-    starts[5], ends[5] = 7, 7  # an empty row
-    starts[6], ends[6] = 1, 2  # one pool, start not a multiple of 4
-    starts[7], ends[7] = P - 3, P  # the last pools only
-    return starts, ends
-
-
-@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
-@pytest.mark.parametrize("q_blocks", [1, 2])
-@pytest.mark.parametrize("H", [32, 64, 128])
-def test_smoke_of_the_debug_build(H, q_blocks, dtype):
-    # first, small, with the KPOOL_DEBUG library: a pipeline wait that never completes traps
-    # with its barrier printed (a failure with a place, not a hang); both modes run to the end;
-    # the logits equal the Triton kernel's (DeepGEMM's bits in FP8: test_fused_fp8)
-    from sp_kpool.kernels import cuda_fp8_mqa as cu
-    from sp_kpool.kernels import triton_fp8_fused as ff
-
-    S, P = 67, 517
-    q8, w, k8, scale = (_inputs if dtype == "fp8" else _bf16_inputs)(S, H, P, seed=1, case="random")
-    starts, ends = _odd_ranges(S, P, seed=2)
-    got = cu.score(q8, w, k8, scale, starts, ends, q_blocks=q_blocks, debug=True)
-    assert cu.score(q8, w, k8, scale, starts, ends, mode="nostore", q_blocks=q_blocks, debug=True) is None
-    torch.cuda.synchronize()
-    ref = ff.score_select(q8, w, k8, scale, starts, ends, 64, dense=True)
-    vis = _visible(starts, ends, P)
-    assert torch.equal(got[vis].view(torch.int32), ref[vis].view(torch.int32))
+@pytest.mark.parametrize("variant", cuda_smoke.VARIANTS)
+def test_smoke_of_the_debug_build(variant):
+    # first, small, with the KPOOL_DEBUG library (sp_kpool.testing.cuda_smoke, which
+    # scripts/gpu_evidence.sh runs one variant per process): a pipeline wait that never
+    # completes traps with its barrier printed (a failure with a place, not a hang); the run
+    # ends; the dense logits equal the Triton kernel's (DeepGEMM's bits in FP8: test_fused_fp8)
+    status, detail = cuda_smoke.run(variant)
+    assert status == "pass", f"{status}: {detail}"
 
 
 @pytest.mark.parametrize("case", ["random", "ties", "plateau", "nonfinite"])
@@ -72,11 +46,11 @@ def test_dense_logits_are_deepgemms_bit_for_bit(H, q_blocks, case):
     from sp_kpool.kernels import cuda_fp8_mqa as cu
 
     S, P = 1021, 3001
-    q8, w, k8, scale = _inputs(S, H, P, seed=H + q_blocks, case=case)
-    starts, ends = _odd_ranges(S, P, seed=H)
+    q8, w, k8, scale = scorer_inputs(S, H, P, seed=H + q_blocks, case=case)
+    starts, ends = scorer_ranges(S, P, seed=H, odd=True)
     ref = deep_gemm.fp8_mqa_logits(q8, (k8, scale), w, starts, ends, clean_logits=False)
     got = cu.score(q8, w, k8, scale, starts, ends, q_blocks=q_blocks)
-    vis = _visible(starts, ends, P)
+    vis = visible(starts, ends, P)
     a, b = got[vis].view(torch.int32), ref[:, :P][vis].view(torch.int32)
     bad = int((a != b).sum())
     assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[:, :P][vis][a != b][:4]}"
@@ -89,11 +63,11 @@ def test_h128_logits_are_the_triton_kernels(case, q_blocks):
     from sp_kpool.kernels import triton_fp8_fused as ff
 
     S, P = 1021, 3001
-    q8, w, k8, scale = _inputs(S, 128, P, seed=7 + q_blocks, case=case)
-    starts, ends = _odd_ranges(S, P, seed=128)
+    q8, w, k8, scale = scorer_inputs(S, 128, P, seed=7 + q_blocks, case=case)
+    starts, ends = scorer_ranges(S, P, seed=128, odd=True)
     ref = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True)
     got = cu.score(q8, w, k8, scale, starts, ends, q_blocks=q_blocks)
-    vis = _visible(starts, ends, P)
+    vis = visible(starts, ends, P)
     assert torch.equal(got[vis].view(torch.int32), ref[vis].view(torch.int32))
 
 
@@ -106,11 +80,11 @@ def test_bf16_logits_are_the_triton_backends(H, case, q_blocks):
     from sp_kpool.kernels import triton_fp8_fused as ff
 
     S, P = 1021, 3001
-    q, w, k, _ = _bf16_inputs(S, H, P, seed=H + q_blocks, case=case)
-    starts, ends = _odd_ranges(S, P, seed=H + 3)
+    q, w, k, _ = scorer_inputs(S, H, P, seed=H + q_blocks, case=case, dtype=torch.bfloat16)
+    starts, ends = scorer_ranges(S, P, seed=H + 3, odd=True)
     ref = ff.score_select(q, w, k, None, starts, ends, 1, dense=True)
     got = cu.score(q, w, k, None, starts, ends, q_blocks=q_blocks)
-    vis = _visible(starts, ends, P)
+    vis = visible(starts, ends, P)
     a, b = got[vis].view(torch.int32), ref[vis].view(torch.int32)
     bad = int((a != b).sum())
     assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[vis][a != b][:4]}"
@@ -121,14 +95,14 @@ def test_repeated_calls_and_the_nostore_mode(H):
     from sp_kpool.kernels import cuda_fp8_mqa as cu
 
     S, P = 4099, 8191
-    q8, w, k8, scale = _inputs(S, H, P, seed=H, case="random")
-    starts, ends = _ranges(S, P, seed=H + 1)
+    q8, w, k8, scale = scorer_inputs(S, H, P, seed=H, case="random")
+    starts, ends = scorer_ranges(S, P, seed=H + 1)
     first = cu.score(q8, w, k8, scale, starts, ends, q_blocks=2)
     for _ in range(3):
         assert torch.equal(cu.score(q8, w, k8, scale, starts, ends, q_blocks=2).view(torch.int32),
                            first.view(torch.int32))  # fmt: skip
     one = cu.score(q8, w, k8, scale, starts, ends, q_blocks=1)
-    vis = _visible(starts, ends, P)
+    vis = visible(starts, ends, P)
     assert torch.equal(one[vis].view(torch.int32), first[vis].view(torch.int32))
     for q_blocks in (1, 2):
         assert cu.score(q8, w, k8, scale, starts, ends, mode="nostore", q_blocks=q_blocks) is None
@@ -139,8 +113,8 @@ def test_argument_errors_on_cuda_tensors():
     from sp_kpool.kernels import cuda_fp8_mqa as cu
 
     S, P = 8, 64
-    q8, w, k8, scale = _inputs(S, 32, P, seed=0, case="random")
-    starts, ends = _ranges(S, P, seed=0)
+    q8, w, k8, scale = scorer_inputs(S, 32, P, seed=0, case="random")
+    starts, ends = scorer_ranges(S, P, seed=0)
     with pytest.raises(ValueError, match="scales: its data must be 16-byte aligned"):
         cu.score(q8, w, k8, torch.cat([scale, scale])[1 : P + 1], starts, ends)
     with pytest.raises(TypeError, match="ks: expected dtype torch.int32, got torch.int64"):

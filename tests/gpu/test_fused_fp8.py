@@ -16,38 +16,10 @@ import torch
 
 from sp_kpool.pipeline import RunRecord, solve
 from sp_kpool.settings import Settings
+from sp_kpool.testing.gpu_checks import scorer_inputs, scorer_ranges, visible
 from sp_kpool.testing.problems import rank_slice_problem
 
 pytestmark = [pytest.mark.requires("deep_gemm", "triton"), pytest.mark.xdist_group("gpu")]
-
-
-def _inputs(S, H, P, seed, case, dtype=torch.float8_e4m3fn):
-    """``(q [S, H, 128], w [S, H], kv [P, 128], scale [P])`` of a case, in ``dtype``
-    (``bfloat16``: no scale, ``None``; the BF16 arithmetic has none)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(S, H, 128, generator=g, device="cuda")
-    kv = torch.randn(P, 128, generator=g, device="cuda")
-    if case == "ties":
-        q, kv = torch.round(q * 2) / 2, torch.round(kv * 2) / 2
-    w = torch.randn(S, H, generator=g, device="cuda") * 0.2
-    scale = 2.0 ** torch.randint(-4, 4, (P,), generator=g, device="cuda").float()
-    if case == "plateau":
-        w[::3] = 0.0
-        w[1::3] = w[1::3].abs() * -1  # every score <= 0
-    if case == "nonfinite":
-        scale[[5, 77, 300]] = torch.tensor([float("nan"), float("inf"), -float("inf")], device="cuda")
-        w[2, 5] = float("nan")
-        w[4, 0] = float("inf")
-    return q.to(dtype), w, kv.to(dtype), scale if dtype == torch.float8_e4m3fn else None
-
-
-def _ranges(S, P, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    ends = torch.randint(0, P + 1, (S,), generator=g, device="cuda")
-    starts = (ends - torch.randint(0, P + 1, (S,), generator=g, device="cuda")).clamp(min=0)
-    ends[:3] = P
-    starts[:3] = 0
-    return starts.int(), ends.int()
 
 
 @pytest.mark.parametrize("case", ["random", "ties", "plateau", "nonfinite"])
@@ -59,12 +31,11 @@ def test_dense_logits_are_deepgemms_bit_for_bit(H, bq, one_dot, case):
     from sp_kpool.kernels import triton_fp8_fused as ff
 
     S, P = 1021, 3001
-    q8, w, k8, scale = _inputs(S, H, P, seed=H + bq, case=case)
-    starts, ends = _ranges(S, P, seed=H)
+    q8, w, k8, scale = scorer_inputs(S, H, P, seed=H + bq, case=case)
+    starts, ends = scorer_ranges(S, P, seed=H)
     ref = deep_gemm.fp8_mqa_logits(q8, (k8, scale), w, starts, ends, clean_logits=False)
     got = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True, block_q=bq, one_dot=one_dot)
-    cols = torch.arange(P, device="cuda")
-    vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
+    vis = visible(starts, ends, P)
     a, b = got[vis].view(torch.int32), ref[:, :P][vis].view(torch.int32)
     bad = int((a != b).sum())
     assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[:, :P][vis][a != b][:4]}"
@@ -82,12 +53,11 @@ def test_dense_pairs_logits_are_deepgemms_bit_for_bit(H, bq, case):
     from sp_kpool.kernels import triton_fp8_fused as ff
 
     S, P = 1021, 3001
-    q8, w, k8, scale = _inputs(S, H, P, seed=H + bq + 1, case=case)
-    starts, ends = _ranges(S, P, seed=H + 1)
+    q8, w, k8, scale = scorer_inputs(S, H, P, seed=H + bq + 1, case=case)
+    starts, ends = scorer_ranges(S, P, seed=H + 1)
     ref = deep_gemm.fp8_mqa_logits(q8, (k8, scale), w, starts, ends, clean_logits=False)
     got = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True, block_q=bq, pairs=True)
-    cols = torch.arange(P, device="cuda")
-    vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
+    vis = visible(starts, ends, P)
     a, b = got[vis].view(torch.int32), ref[:, :P][vis].view(torch.int32)
     assert int((a != b).sum()) == 0, f"{int((a != b).sum())} of {a.numel()} logits differ"
     ptx = ff.compiled[(H, bq, ff.BLOCK_P, True, True, torch.float8_e4m3fn, "pairs")].asm["ptx"]
@@ -101,11 +71,10 @@ def test_fused_selection_equals_dense_plus_exact_selector(H, k):
     from sp_kpool.selectors import topk_pools, _ascending
 
     S, P = 777, 5003
-    q8, w, k8, scale = _inputs(S, H, P, seed=k, case="random")
-    starts, ends = _ranges(S, P, seed=k)
+    q8, w, k8, scale = scorer_inputs(S, H, P, seed=k, case="random")
+    starts, ends = scorer_ranges(S, P, seed=k)
     dense = ff.score_select(q8, w, k8, scale, starts, ends, k, dense=True)
-    cols = torch.arange(P, device="cuda")
-    vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long()) & (dense > -float("inf"))
+    vis = visible(starts, ends, P) & (dense > -float("inf"))
     pools, ok = topk_pools(torch.where(vis, dense, 0.0), vis, k, 0)
     want = torch.full((S, k), -1, dtype=torch.int32, device="cuda")
     want[:, : pools.shape[1]] = _ascending(torch.where(ok, pools, -1)).int()
@@ -129,14 +98,13 @@ def test_h128_logits_extend_deepgemms_chains(first, case, bq, one_dot):
     from sp_kpool.kernels import triton_fp8_fused as ff
 
     S, P = 1021, 3001
-    q8, w, k8, scale = _inputs(S, 128, P, seed=first, case=case)
+    q8, w, k8, scale = scorer_inputs(S, 128, P, seed=first, case=case)
     w[:, first:] = 0.0
-    starts, ends = _ranges(S, P, seed=first + 1)
+    starts, ends = scorer_ranges(S, P, seed=first + 1)
     ref = deep_gemm.fp8_mqa_logits(q8[:, :first].contiguous(), (k8, scale), w[:, :first].contiguous(), starts, ends,
                                    clean_logits=False)[:, :P]  # fmt: skip
     got = ff.score_select(q8, w, k8, scale, starts, ends, 512, dense=True, block_q=bq, one_dot=one_dot)
-    cols = torch.arange(P, device="cuda")
-    vis = (cols[None] >= starts[:, None].long()) & (cols[None] < ends[:, None].long())
+    vis = visible(starts, ends, P)
     a, b = (got[vis] + 0.0).view(torch.int32), (ref[vis] + 0.0).view(torch.int32)
     bad = int((a != b).sum())
     assert bad == 0, f"{bad} of {a.numel()} logits differ; first: {got[vis][a != b][:4]} vs {ref[vis][a != b][:4]}"

@@ -16,7 +16,8 @@
   codes have the same FP32 operation counts (so ptxas contracted nothing of DeepGEMM's) and
   no local memory. The mapping of accumulators to pools, the tiles' base addresses and the
   bits of the tensor-core steps are checked on a GPU only: ``tests/gpu/test_cuda_fp8_mqa.py``.
-- The debug build (``KPOOL_DEBUG``: a stuck pipeline wait prints and traps) compiles.
+- The debug build (``KPOOL_DEBUG``: a pipeline wait still open after 1 s by ``%globaltimer``
+  prints and traps) compiles through ptxas, and only its PTX reads the global timer.
 - The Python side: argument errors name the argument; the library is built once per source
   and compiler and reused; its C entry point reports an unknown variant.
 
@@ -189,13 +190,21 @@ def test_every_variant_compiles_at_96_registers_without_spills(tmp_path):
 
 
 @needs_nvcc
-def test_debug_build_traps_a_stuck_wait(tmp_path):
+def test_debug_build_traps_a_stuck_wait_on_a_one_second_deadline(tmp_path):
+    # KPOOL_DEBUG: a wait still open 1 s (10^9 ns of %globaltimer) after its first failed try
+    # prints and traps; the build compiles through ptxas (an object file), and every kernel
+    # reads the global timer (the release PTX does not: test_every_variant_issues_...)
+    obj = m.compile_command(NVCC, str(tmp_path / "debug.o"), debug=True)
+    obj[obj.index("-shared") : obj.index("-fPIC") + 1] = ["-c"]
+    _run(obj)
     out = tmp_path / "debug.ptx"
-    done = subprocess.run(m.compile_command(NVCC, str(out), ptx=True, debug=True), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    for name, body in _entries(out.read_text()).items():
+    _run(m.compile_command(NVCC, str(out), ptx=True, debug=True))
+    bodies = _entries(out.read_text())
+    assert sorted(_ours(n) for n in bodies) == VARIANTS
+    for name, body in bodies.items():
         assert "trap;" in body and "vprintf" in body, _ours(name)
+        assert re.search(r"mov\.u64\s+%rd\d+,\s*%globaltimer;", body), _ours(name)
+        assert re.search(r"\b1000000000\b", body), _ours(name)  # the deadline, in nanoseconds
 
 
 @needs_nvcc
@@ -209,6 +218,7 @@ def test_every_variant_issues_its_chained_wgmma_steps_and_no_mma_sync(our_ptx):
         assert "mma.sync" not in body.replace("wgmma.mma_async.sync", ""), _ours(name)
         assert body.count("setmaxnreg.inc.sync.aligned.u32 112") == 1 and body.count("setmaxnreg.dec") == 1
         assert "cp.async.bulk.tensor.2d" in body and "mbarrier.try_wait.parity" in body
+        assert "globaltimer" not in body, _ours(name)  # the debug build only
 
 
 def _descriptors(body: str) -> list[tuple[tuple[str, int], tuple[str, int]]]:
