@@ -26,11 +26,12 @@ from .settings import Settings, current_settings
 from .sharding import ShardedSequence
 from .timing import RunRecord
 
-__all__ = ["Call", "num_pools", "validate_and_agree", "fail_on_every_rank", "call_of", "MAX_PADDED_OUTPUT_ENTRIES"]
+__all__ = ["Call", "num_pools", "validate_and_agree", "check_rows", "fail_on_every_rank", "call_of", "MAX_PADDED_OUTPUT_ENTRIES"]
 
 # names of the signature entries when a rank has no valid config (its error is reported
 # first): the records' own entries, so that every rank's vector has the same length
 _CONFIG_SIGNATURE = tuple(e[0] for e in KPoolConfig(topk=1, kpool=1).signature())
+_ROWS_GIVEN = {-1: "invalid", 0: "None (every row)", 1: "given"}
 _OPTIONS_SIGNATURE = tuple(e[0] for e in RunOptions().signature())
 _DERIVED_SIGNATURE = ("backend (resolved, crc32)", "scoring chunk rows", "balance partition (crc32)",
                       "check_finite (resolved)")  # fmt: skip
@@ -55,10 +56,15 @@ class Call:
     counter: CommStats | None
     check_finite: bool = False
     record: RunRecord = dataclasses.field(default_factory=RunRecord)
+    #: ``rows=``: which of this rank's real rows (``seq.real_rows()`` order) are computed,
+    #: ``[n_real_local]`` bool CPU; ``None``: all of them
+    rows: torch.Tensor | None = None
 
     @property
     def balanced(self) -> bool:
-        return self.partition is not None and self.partition.applied
+        """The balance partition is applied (never with ``rows=``: it balances the work of
+        every row; the scoring chunk stays the balanced call's, so the bits are the same)."""
+        return self.partition is not None and self.partition.applied and self.rows is None
 
 
 def num_pools(seq: ShardedSequence, kpool: int) -> int:
@@ -194,7 +200,37 @@ def _check_dtypes(q, k, gates, head_weights, ape) -> None:
                         f"of them), got {k.dtype}")  # fmt: skip
 
 
-def _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, settings, stats) -> Call:
+def check_rows(rows, seq: ShardedSequence) -> torch.Tensor | None:
+    """``rows=`` of :func:`sp_kpool.kpool_topk` as ``[n_real_local]`` bool CPU over this
+    rank's real rows (``seq.real_rows()`` order; padding rows asked for are dropped: their
+    output is ``-1`` anyway), or ``None``. Accepted: a bool mask ``[S_local]`` or a 1-D
+    integer tensor of storage rows in ``[0, S_local)`` (any order, repeats allowed)."""
+    if rows is None:
+        return None
+    S = seq.shard_size
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows: expected a bool mask [S_local = {S}] or a 1-D integer tensor of this rank's "
+                        f"storage rows, got {type(rows).__name__}")  # fmt: skip
+    if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dim() != 1:
+        raise TypeError(f"rows: expected a bool mask [S_local = {S}] or a 1-D integer tensor of this rank's "
+                        f"storage rows, got a {rows.dtype} tensor of shape {list(rows.shape)}")  # fmt: skip
+    rows = rows.detach().cpu()
+    if rows.dtype == torch.bool:
+        if rows.numel() != S:
+            raise ValueError(f"rows: expected a bool mask of S_local = {S} rows (seq.shard_size of rank "
+                             f"{seq.rank}/{seq.world_size}), got {rows.numel()}")  # fmt: skip
+        mask = rows
+    else:
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= S):
+            bad = rows[(rows < 0) | (rows >= S)][0]
+            raise ValueError(f"rows: expected storage rows in [0, {S}) (seq.shard_size of rank "
+                             f"{seq.rank}/{seq.world_size}), got {int(bad)}")  # fmt: skip
+        mask = torch.zeros(S, dtype=torch.bool)
+        mask[rows.to(torch.int64)] = True
+    return mask[seq.storage_index()]
+
+
+def _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, settings, stats, subset=None) -> Call:
     """Local checks, in argument order; raises on the first problem found."""
     _check_seq(seq)
     config, options = split_keywords(config, options, keywords)
@@ -231,6 +267,7 @@ def _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, se
     problem = Problem(q=q, head_weights=head_weights, k=k, gates=gates, ape=ape, seq=seq, config=config,
                       settings=settings)  # fmt: skip
     call = call_of(problem, options, CommStats() if stats is not None else None)
+    call.rows = check_rows(subset, seq)
     call.check_finite = settings.check_finite if options.check_finite is None else options.check_finite
     if call.check_finite:
         _check_finite({"q": q, "k": k, "gates": gates, "head_weights": head_weights, "ape": ape}, seq)
@@ -339,7 +376,7 @@ def tensor_codes(tensors: dict) -> list[tuple]:
     return sig
 
 
-def _signature(q, seq, call: Call | None, tensors: dict) -> list[tuple]:
+def _signature(q, seq, call: Call | None, tensors: dict, rows=None) -> list[tuple]:
     """Integers that must agree on every rank (checked by one small all-gather); the same
     entries, in the same order, whatever the inputs (``-1`` where a value is missing)."""
     is_seq = isinstance(seq, ShardedSequence)
@@ -353,6 +390,9 @@ def _signature(q, seq, call: Call | None, tensors: dict) -> list[tuple]:
         ("prompt_lens (crc32)", zlib.crc32(repr(seq.prompt_lens).encode()) if is_seq else -1),
         ("q.shape[1] (H)", q.shape[1] if three else -1),
         ("q.shape[2] (D)", q.shape[2] if three else -1),
+        # rows= on every rank or on none (an empty set asks for no row): the ranks must agree
+        # on whether the balance partition applies
+        ("rows", int(rows is not None), _ROWS_GIVEN),
     ]
     if call is None:
         sig += [(name, -1) for name in _CONFIG_SIGNATURE + _OPTIONS_SIGNATURE]
@@ -370,7 +410,8 @@ def _signature(q, seq, call: Call | None, tensors: dict) -> list[tuple]:
 
 
 def validate_and_agree(q, k, gates, head_weights, ape, seq, config: KPoolConfig | None, options: RunOptions | None,
-                       keywords: dict, settings: Settings | None, stats: dict | None) -> Call:  # fmt: skip
+                       keywords: dict, settings: Settings | None, stats: dict | None,
+                       rows: torch.Tensor | None = None) -> Call:  # fmt: skip
     """Stage 1: the validated :class:`Call`, agreed on by every rank. ``config`` and
     ``options`` may be ``None`` and are then built from ``keywords`` (the keyword form of
     :func:`sp_kpool.kpool_topk`).
@@ -385,11 +426,11 @@ def validate_and_agree(q, k, gates, head_weights, ape, seq, config: KPoolConfig 
     most ``settings.comm_timeout`` seconds for the other ranks (``TimeoutError``)."""
     error = call = None
     try:
-        call = _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, settings, stats)
+        call = _validate(q, k, gates, head_weights, ape, seq, config, options, keywords, settings, stats, rows)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, whatever it is
         error = exc
     tensors = {"q": q, "k": k, "gates": gates, "head_weights": head_weights, "ape": ape}
-    _agree(seq, error, _signature(q, seq, call, tensors), settings, call.counter if call is not None else None)
+    _agree(seq, error, _signature(q, seq, call, tensors, rows), settings, call.counter if call is not None else None)
     if stats is not None:  # the stages time themselves (device synchronized) into this dict
         call.record.stage_times = {}
     return call

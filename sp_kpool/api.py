@@ -29,6 +29,7 @@ def kpool_topk(
     *,
     options: RunOptions | None = None,
     settings: Settings | None = None,
+    rows: torch.Tensor | None = None,
     stats: dict | None = None,
     **keywords,
 ) -> torch.Tensor:
@@ -108,6 +109,16 @@ def kpool_topk(
             default ``settings.check_finite``, ``$SP_KPOOL_CHECK_FINITE``, off). Off, such
             values reach the scores, and a NaN score is never selected: the row gets fewer
             ids.
+        rows: compute only these local rows: a bool mask ``[S_local]`` or a 1-D integer
+            tensor of storage rows in ``[0, S_local)`` (any order, repeats allowed); the
+            call stays a collective (every rank calls, each with its own rows, possibly
+            none; pass ``rows`` on every rank or on none). The rows asked for are bit for
+            bit the full call's; every other row is ``-1``. Only the scoring chunks that
+            hold a row asked for are scored, each as in the full call (a row's scores may
+            depend on the rows sharing its BLAS call: on the CPU they do); the keys are
+            still gathered and pooled whole. With ``balance="causal"`` the partition is
+            not applied (it balances every row's work; ``stats["balance_applied"]`` is
+            ``False``); the scoring chunk stays the balanced call's.
         stats: if a dict, it is filled with this rank's instrumented communication bytes
             (``bytes``: ``sent``, ``received``, ``by_tag``), per-stage wall seconds
             (``time_s``: gather, seam, pool, balance_exchange, score, select,
@@ -119,7 +130,9 @@ def kpool_topk(
             scoring calls (``scored_cells``: zero rows included, so more than
             ``causal_pairs`` where a layout leaves rows of a chunk to other ranks; the
             ``deepgemm`` and ``triton`` backends score each span of their rows in chunks
-            of their own, the others whole chunks of the global grid), the
+            of their own, the others whole chunks of the global grid), ``rows`` (the real
+            rows computed here with ``rows=``, ``None`` without; then ``rows_scored`` and
+            ``causal_pairs`` are theirs), the
             pools built here (``pools_built``) and the ``layout``. Never compared across
             ranks; only this rank's view.
 
@@ -141,6 +154,6 @@ def kpool_topk(
             raise ValueError("stats: not available under torch.compile (the operator is opaque); call eagerly")
         config, options = split_keywords(config, options, keywords)
         return _op.kpool_topk_traced(q, k, gates, head_weights, ape, seq, config, options,
-                                     settings if settings is not None else current_settings())  # fmt: skip
+                                     settings if settings is not None else current_settings(), rows)  # fmt: skip
     return pipeline.run(q, k, gates, head_weights, ape, seq, config, options, keywords=keywords, settings=settings,
-                        stats=stats)
+                        stats=stats, rows=rows)

@@ -61,7 +61,11 @@ class KPoolIndexer(nn.Module):
             both, return the replayed one and record their comparison
             (:func:`sp_kpool.replay.compare`) in ``last_comparison``.
         replay_ids, replay_missing: ``ids=`` and ``missing=`` of :func:`sp_kpool.replay.shard`
-            (``"tokens"``, ``"compute"``: rows the capture does not cover are computed).
+            (``"tokens"``, ``"compute"``: rows the capture does not cover are computed,
+            only they: ``kpool_topk(rows=)``).
+        verify_rows, verify_seed: ``mode="verify"``: compute and compare only a sample of
+            ``verify_rows`` of each rank's rows (default ``1.0``: all), drawn from
+            ``verify_seed`` (the same on every rank; the attribute may be set per step).
         capture_dir: record the inputs of the first forward call(s) to ``safetensors`` files
             in this directory, one per rank (default ``settings.capture_dir``,
             ``$SP_KPOOL_CAPTURE_DIR``; unset: no capture), created and checked for writing
@@ -100,6 +104,8 @@ class KPoolIndexer(nn.Module):
         mode: str = "compute",
         replay_ids: str = "tokens",
         replay_missing: str = "compute",
+        verify_rows: float = 1.0,
+        verify_seed: int = 0,
     ) -> None:
         super().__init__()
         hidden_size, q_lora_rank, index_n_heads, index_head_dim, index_topk, index_kpool = (
@@ -143,8 +149,16 @@ class KPoolIndexer(nn.Module):
         self.mode = check_choice("mode", mode, self.MODES)
         self.replay_ids = check_choice("replay_ids", replay_ids, _replay.IDS)
         self.replay_missing = check_choice("replay_missing", replay_missing, _replay.MISSING)
-        #: ``mode="verify"``: the last call's :func:`sp_kpool.replay.compare` report
+        #: ``mode="verify"``: the last call's :func:`sp_kpool.replay.compare` report (of the
+        #: sample only, with ``verify_rows`` and ``verify_seed``)
         self.last_comparison: dict | None = None
+        #: ``mode="verify"``: the fraction of each rank's rows computed and compared (``1.0``:
+        #: every row), and the sample's seed, the same on every rank; set it per step (e.g. to
+        #: the step) so each step samples other rows (:func:`sp_kpool.replay.sample_rows`)
+        self.verify_rows = float(verify_rows)
+        self.verify_seed = int(verify_seed)
+        if not 0.0 <= self.verify_rows <= 1.0:
+            raise ValueError(f"verify_rows: expected a fraction in [0, 1], got {verify_rows!r}")
 
     #: ``mode=``: compute the selection, replay the rollout's, or both (returning the replayed one)
     MODES = ("compute", "replay", "verify")
@@ -246,7 +260,8 @@ class KPoolIndexer(nn.Module):
             return self._replayed(hidden, q_resid, seq, replay)
         return self._computed(hidden, q_resid, seq)
 
-    def _computed(self, hidden: torch.Tensor, q_resid: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
+    def _computed(self, hidden: torch.Tensor, q_resid: torch.Tensor, seq: ShardedSequence,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if _op.is_traced():  # torch.compile: the projections, then one opaque custom operator (sp_kpool.op)
             config = self.config.replace(precision=resolve_precision(self.precision, self.settings))
             prepared = self.prepare(hidden, q_resid, config.precision)
@@ -257,7 +272,7 @@ class KPoolIndexer(nn.Module):
             prepared = self.prepare(hidden, q_resid, config.precision)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait in their agreement: tell them
             pipeline.fail_on_every_rank(seq, exc, self.settings)
-        ids = pipeline.run(**prepared, seq=seq, config=config, options=self.options, settings=self.settings)
+        ids = pipeline.run(**prepared, seq=seq, config=config, options=self.options, settings=self.settings, rows=rows)
         if self._capture is not None:  # after the result: capturing never changes it
             self._capture(self, hidden, q_resid, seq, config, prepared, ids)
         return ids
@@ -274,6 +289,9 @@ class KPoolIndexer(nn.Module):
                             inputs=inputs, options=self.options, settings=self.settings,
                             device=hidden.device if isinstance(hidden, torch.Tensor) else None)  # fmt: skip
         if self.mode == "verify":
-            computed = self._computed(hidden, q_resid, seq)
-            self.last_comparison = _replay.compare(ids, computed, seq, settings=self.settings)
+            sample = _replay.sample_rows(seq, self.verify_rows, self.verify_seed)
+            computed = self._computed(hidden, q_resid, seq, None if self.verify_rows >= 1.0 else sample)
+            report = _replay.compare(ids, computed, seq, settings=self.settings, rows=sample)
+            report["verify_rows"], report["verify_seed"] = self.verify_rows, self.verify_seed
+            self.last_comparison = report
         return ids

@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import threading
 from collections import OrderedDict
-from typing import Any, List, NamedTuple
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 
@@ -217,6 +217,7 @@ def _kpool_topk_op(
     balance_row_cost: int,
     check_finite: bool,
     settings: str,
+    rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     from . import pipeline
 
@@ -225,7 +226,7 @@ def _kpool_topk_op(
                          max_logits_bytes=max_logits_bytes)  # fmt: skip
     options = RunOptions(backend=backend, gather=gather, balance=balance, balance_block=_opt(balance_block),
                          balance_row_cost=_opt(balance_row_cost), check_finite=check_finite)  # fmt: skip
-    return pipeline.run(q, k, gates, head_weights, ape, seq, config, options, settings=_settings(settings))
+    return pipeline.run(q, k, gates, head_weights, ape, seq, config, options, settings=_settings(settings), rows=rows)
 
 
 @_kpool_topk_op.register_fake
@@ -241,9 +242,10 @@ def is_traced() -> bool:
 
 
 def kpool_topk_traced(q, k, gates, head_weights, ape, seq, config: KPoolConfig, options: RunOptions,
-                      settings: Settings) -> torch.Tensor:  # fmt: skip
+                      settings: Settings, rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """One call of ``torch.ops.sp_kpool.kpool_topk`` for :func:`sp_kpool.kpool_topk` under a
-    trace (``config`` and ``options`` already built; ``settings`` the call's)."""
+    trace (``config`` and ``options`` already built; ``settings`` the call's; ``rows`` the
+    ``rows=`` tensor, checked inside the operator like the other inputs)."""
     args = getattr(seq, "op_arguments", None)
     if not isinstance(args, SequenceArguments):
         raise TypeError(f"seq: expected a ShardedSequence, got {type(seq).__name__}")
@@ -255,5 +257,5 @@ def kpool_topk_traced(q, k, gates, head_weights, ape, seq, config: KPoolConfig, 
         config.max_logits_bytes, options.backend, options.gather, options.balance,
         -1 if options.balance_block is None else options.balance_block,
         -1 if options.balance_row_cost is None else options.balance_row_cost, bool(check_finite),
-        settings.op_text,
+        settings.op_text, rows,
     )  # fmt: skip

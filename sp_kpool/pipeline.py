@@ -51,19 +51,19 @@ import dataclasses
 import torch
 
 from ._device import to_device
-from .agreement import Call, call_of, fail_on_every_rank, num_pools, validate_and_agree
+from .agreement import Call, call_of, check_rows, fail_on_every_rank, num_pools, validate_and_agree
 from .backends.base import PoolInputs, Pools, Problem, Queries, QueryInputs
 from .balance import move_queries, route_pools, row_work
 from .comm import gather_keys, real_order, take_rows
 from .config import KPoolConfig, RunOptions
-from .plan import ChunkPlan, Span, plan_chunks, rank_spans
+from .plan import ChunkPlan, Span, plan_chunks, rank_spans, row_spans
 from .pool_gather import gather_pools, pool_owners, pool_shards
 from .pooling import pool_table
 from .scoring import select_chunks
 from .expansion import assemble
 from .selection import row_meta
 from .settings import Settings, current_settings
-from .sharding import ShardedSequence
+from .sharding import ShardedSequence, row_runs
 from .timing import RunRecord, stage
 
 __all__ = [
@@ -73,10 +73,12 @@ __all__ = [
 
 @torch.no_grad()
 def run(q, k, gates, head_weights, ape, seq, config: KPoolConfig | None = None, options: RunOptions | None = None, *,
-        keywords: dict | None = None, settings: Settings | None = None, stats: dict | None = None) -> torch.Tensor:
+        keywords: dict | None = None, settings: Settings | None = None, stats: dict | None = None,
+        rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Selected global token ids ``[S_local, config.width]`` int32 (see
     :func:`sp_kpool.kpool_topk` for the arguments)."""
-    call = validate_and_agree(q, k, gates, head_weights, ape, seq, config, options, keywords or {}, settings, stats)
+    call = validate_and_agree(q, k, gates, head_weights, ape, seq, config, options, keywords or {}, settings, stats,
+                              rows)  # fmt: skip
     problem, backend, counter, options, record = call.problem, call.backend, call.counter, call.options, call.record
     pooled = None
     if options.gather == "keys":  # 2. gather
@@ -116,11 +118,16 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     device, C = problem.device, call.chunk or 1
     q, head_weights = problem.q, problem.head_weights
     owned = seq.real_rows()  # this rank's real rows, ascending (its storage order: seq.storage_index())
+    storage = None  # the storage rows of the rows computed here (None: every real row)
     if call.balanced:  # 3. partition: this rank scores the rows of its compute range
         computed = call.partition.ranges
         with stage(record, "balance_exchange", device):
             q_rows, w_rows = move_queries(problem, computed, counter)
         spans = [Span(*computed[seq.rank])]
+    elif call.rows is not None:  # rows=: only the rows asked for, in spans of the chunks holding them
+        owned, storage = owned[call.rows], seq.storage_index()[call.rows]
+        q_rows, w_rows = take_rows(q, storage), take_rows(head_weights, storage)
+        spans = row_spans(row_runs(owned), C, owned)
     else:
         if seq.is_contiguous:  # the real rows are the first rows of the shard
             q_rows, w_rows = q[: owned.numel()], head_weights[: owned.numel()]
@@ -131,7 +138,8 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     pools, queries, parts, offset, done = pooled, None, [], 0, []
     for span in spans or [Span(0, 0)]:
         plan = plan_chunks(seq, problem.kpool, C, span.lo, span.hi, device, runs=span.runs,  # 4. plan
-                           cache=problem.settings.table_cache, row_local=backend.row_local_scores)  # fmt: skip
+                           cache=problem.settings.table_cache and call.rows is None,
+                           row_local=backend.row_local_scores)  # fmt: skip
         n = span.rows
         if not plan.chunks:  # no rows scored here, or no complete pool at all
             parts.append(torch.full((n, k_sel), -1, dtype=torch.int32, device=device))
@@ -152,51 +160,56 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     if call.balanced:  # 7. route back
         with stage(record, "balance_route", device):
             selected = route_pools(problem, selected, computed, counter)
-    if seq.is_contiguous and not call.balanced:
+    if seq.is_contiguous and not call.balanced and call.rows is None:
         meta = plan.meta
     else:
         meta = row_meta(to_device(owned, device), plan.cu, plan.offs, problem.kpool)
-    ids = _expand(problem, selected, meta, plan.pool_tok_start, record)  # 8. expand
+    ids = _expand(problem, selected, meta, plan.pool_tok_start, record, storage)  # 8. expand
     return Computed(ids, call, pools, queries, plan, done)
 
 
 def run_gathered(inputs: dict, seq: ShardedSequence, config: KPoolConfig, options: RunOptions | None = None,
-                 settings: Settings | None = None) -> Computed:  # fmt: skip
+                 settings: Settings | None = None, rows: torch.Tensor | None = None) -> Computed:  # fmt: skip
     """One rank's stages 3-8 from inputs already gathered, in this process: ``inputs`` holds
     ``q [S_local, H, D]``, ``head_weights [S_local, H]``, ``ape`` and the keys and gates of
     the **whole** sequence, ``k``/``gates [S, D]`` (the concatenation of every rank's
     rows in rank order, which is what the all-gather returns). Simulations of several ranks and the
     parity replay use it; ``balance`` and ``gather`` are ignored (they need the ranks),
-    and they change no output bit."""
+    and they change no output bit. ``rows``: as :func:`sp_kpool.kpool_topk`'s."""
     settings = settings if settings is not None else current_settings()
     config = config.resolve(settings, inputs["q"].device)
     inputs = {**inputs, "k": real_order(inputs["k"], seq), "gates": real_order(inputs["gates"], seq)}
     problem = Problem(**inputs, seq=seq, config=config, settings=settings)
-    return solve(problem, (options or RunOptions()).backend)
+    return solve(problem, (options or RunOptions()).backend, rows=rows)
 
 
-def solve(problem: Problem, backend: str = "torch", record: RunRecord | None = None) -> Computed:
+def solve(problem: Problem, backend: str = "torch", record: RunRecord | None = None, *,
+          rows: torch.Tensor | None = None) -> Computed:  # fmt: skip
     """Stages 3-8 of one rank for a :class:`~sp_kpool.backends.base.Problem` that holds the
     gathered keys and gates (``problem.config`` resolved), with the backend named
     ``backend`` (or ``"auto"``), in this process: what :func:`run_gathered` runs, for tests
     and benchmarks that build the problem themselves. ``record``: a
     :class:`~sp_kpool.timing.RunRecord` to fill (``RunRecord(stage_times={})`` times the
     stages; its ``counters`` get a fused selector's counts); ``None``: a fresh one, which
-    the result holds (``computed.call.record``)."""
+    the result holds (``computed.call.record``). ``rows``: as :func:`sp_kpool.kpool_topk`'s."""
     call = call_of(problem, RunOptions(backend=backend))
+    call.rows = check_rows(rows, problem.seq)
     if record is not None:
         call.record = record
     return _compute(call, None)
 
 
 def _expand(problem: Problem, selected: torch.Tensor, meta, pool_tok_start: torch.Tensor,
-            record: RunRecord | None = None) -> torch.Tensor:  # fmt: skip
+            record: RunRecord | None = None, storage: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``[S_local, width]`` int32 in storage order: this rank's real rows (``selected``,
-    ascending real rows) expanded to stream ids, the padding rows ``-1``."""
+    ascending real rows) expanded to stream ids, the padding rows ``-1``. ``storage``: the
+    storage rows of ``selected``'s rows when not every real row is computed (``rows=``;
+    the other rows ``-1``)."""
     cfg, seq = problem.config, problem.seq
     n = selected.shape[0]
     out = torch.empty((seq.shard_size, cfg.width), dtype=torch.int32, device=problem.device)
-    if seq.is_contiguous:  # storage order = real order, padding rows last
+    in_place = seq.is_contiguous and storage is None  # storage order = real order, padding rows last
+    if in_place:
         out[n:].fill_(-1)  # assemble writes the others whole
         rows = out[:n]
     else:
@@ -206,8 +219,9 @@ def _expand(problem: Problem, selected: torch.Tensor, meta, pool_tok_start: torc
         with stage(record, "expand", problem.device):
             assemble(selected, meta, pool_tok_start, topk=cfg.topk, kpool=cfg.kpool, tail=cfg.tail, order=cfg.order,
                      alignment=cfg.alignment, presorted=True, out=rows)  # fmt: skip
-            if not seq.is_contiguous:
-                out[to_device(seq.storage_index(), problem.device)] = seq.stream_ids(rows)
+            if not in_place:
+                at = seq.storage_index() if storage is None else storage
+                out[to_device(at, problem.device)] = seq.stream_ids(rows)
     return out
 
 
@@ -243,6 +257,11 @@ def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
     if call.balanced:
         lo, hi = part.bounds[seq.rank], part.bounds[seq.rank + 1]
         scored, causal = (lo, hi), int(pairs[hi] - pairs[lo])
+    elif call.rows is not None:  # the rows asked for: their runs and their own causal pairs
+        asked = seq.real_rows()[call.rows]
+        scored = [list(r) for r in row_runs(asked)]
+        work = torch.as_tensor(pairs)
+        causal = int((work[asked + 1] - work[asked]).sum()) if asked.numel() else 0
     else:
         scored = [list(r) for r in seq.runs]
         causal = sum(int(pairs[b] - pairs[a]) for a, b in seq.runs)
@@ -258,6 +277,7 @@ def _fill_stats(stats: dict, call: Call, computed: Computed) -> None:
         selection=_counters(call.record.counters),
         partition=part.as_dict() if part is not None else None,
         rows_scored=scored,
+        rows=None if call.rows is None else int(call.rows.sum()),
         causal_pairs=causal,
         scored_cells=_scored_cells(computed.spans),
         layout=seq.layout,

@@ -70,7 +70,8 @@ from .selection import assemble, row_meta
 from .settings import Settings
 from .sharding import ShardedSequence
 
-__all__ = ["IDS", "MISSING", "shard", "shard_local", "documents", "compare", "captured_rows", "ReplayError"]
+__all__ = ["IDS", "MISSING", "shard", "shard_local", "documents", "compare", "captured_rows", "ReplayError",
+           "sample_rows"]
 
 #: ``ids=``: document-local token positions, or document-local pool ids.
 IDS = ("tokens", "pools")
@@ -371,11 +372,30 @@ def shard(
             fail_on_every_rank(seq, exc, settings)
         from .api import kpool_topk
 
-        computed = kpool_topk(**given, seq=seq, config=cfg, options=opts, settings=settings)
+        # exactly the uncovered rows (every rank calls, each with its own, possibly none)
+        computed = kpool_topk(**given, seq=seq, config=cfg, options=opts, settings=settings, rows=uncovered)
         if uncovered.numel():
             at = to_device(uncovered, ids_out.device)
             ids_out[at] = computed[at.to(computed.device)].to(ids_out.device)
     return ids_out
+
+
+def sample_rows(seq: ShardedSequence, fraction: float, seed: int) -> torch.Tensor:
+    """This rank's storage rows of a verification sample (int64 CPU, ascending): ``round(fraction
+    * n)`` of its ``n`` real rows, those of lowest priority in one random permutation of every
+    real row of the sequence drawn from ``seed`` (the same on every rank, so a row's fate does
+    not depend on the layout; another seed, e.g. the step, samples other rows). ``fraction``
+    in ``[0, 1]``; ``1.0``: every real row."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"verify_rows: expected a fraction in [0, 1], got {fraction!r}")
+    storage = seq.storage_index()
+    n = storage.numel()
+    if fraction >= 1.0:
+        return torch.sort(storage).values
+    g = torch.Generator().manual_seed(int(seed))
+    priority = torch.randperm(seq.num_real_tokens, generator=g)[seq.real_rows()]
+    keep = torch.argsort(priority)[: int(round(fraction * n))]
+    return torch.sort(storage[keep]).values
 
 
 @torch.no_grad()
@@ -516,6 +536,7 @@ def compare(
     kpool: int | None = None,
     rel_tol: float = 1e-4,
     settings: Settings | None = None,
+    rows: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """How far two selections of this rank's rows differ, totalled over every rank (a collective).
 
@@ -531,6 +552,8 @@ def compare(
             the pools of both sets, ``+ 1e-9``) of the boundary, the lowest score among
             ``computed``'s pools; a differing tail is never a tie.
         settings: the agreement's timeout (:class:`~sp_kpool.settings.Settings`).
+        rows: compare only these storage rows (1-D integer tensor, e.g. :func:`sample_rows`);
+            ``None``: every real row.
 
     Returns (equal on every rank, JSON-able): ``rows`` (real rows compared), ``rows_differing``,
     ``fraction_differing``, ``jaccard_mean``, ``jaccard_min`` (1.0 without rows),
@@ -565,7 +588,11 @@ def compare(
         error = exc
     sig = [("compare: scores given", int(scores is not None))]
     _agree(seq, error, sig, settings, None)
-    rows = seq.real_rows()
+    subset, rows, storage = rows, seq.real_rows(), seq.storage_index()
+    if subset is not None:  # the sample only: its rows in real-row order
+        keep = torch.isin(storage, subset.cpu())
+        rows, storage = rows[keep], storage[keep]
+        a, b = a[to_device(keep, a.device)], b[to_device(keep, b.device)]
     R = rows.numel()
     sa = torch.sort(torch.where(a >= 0, a, _BIG), dim=1).values
     sb = torch.sort(torch.where(b >= 0, b, _BIG), dim=1).values
@@ -597,7 +624,7 @@ def compare(
             doc = (torch.searchsorted(cu, rows, right=True) - 1).to(dev)
             meta = row_meta(to_device(rows, dev), cu, pool_table(cu, kpool)[1], kpool)
             pa, pb = _pool_of(a, meta, cu, kpool, doc), _pool_of(b, meta, cu, kpool, doc)
-            local_scores = scores.index_select(0, to_device(seq.storage_index(), scores.device)).to(dev).double()
+            local_scores = scores.index_select(0, to_device(storage, scores.device)).to(dev).double()
             ties = _near_ties(pa[differ], pb[differ], local_scores[differ], rel_tol)
         local["rows_near_ties"] = ties
     totals = _gather_json(local, seq, settings)

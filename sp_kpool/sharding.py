@@ -118,6 +118,17 @@ def _check_cover(rank_positions: Sequence[torch.Tensor], total: int) -> None:
                          f"({int((counts == 0).sum())} missing)")  # fmt: skip
 
 
+def row_runs(rows: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The maximal ``(lo, hi)`` runs of consecutive values of ``rows`` (ascending int64 CPU)."""
+    if rows.numel() == 0:
+        return ()
+    cut = torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1
+    starts = torch.cat([rows.new_zeros(1), cut]).tolist()
+    ends = torch.cat([cut, rows.new_tensor([rows.numel()])]).tolist()
+    r = rows.tolist()
+    return tuple((r[a], r[b - 1] + 1) for a, b in zip(starts, ends))
+
+
 @dataclass(frozen=True, eq=False)
 class ShardedSequence:
     """A packed sequence and the rows of it that this rank owns.
@@ -528,14 +539,7 @@ class ShardedSequence:
     @functools.cached_property
     def runs(self) -> tuple[tuple[int, int], ...]:
         """This rank's real rows as maximal ``(lo, hi)`` runs, ascending."""
-        rows = self.real_rows()
-        if rows.numel() == 0:
-            return ()
-        cut = torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1
-        starts = torch.cat([rows.new_zeros(1), cut]).tolist()
-        ends = torch.cat([cut, rows.new_tensor([rows.numel()])]).tolist()
-        r = rows.tolist()
-        return tuple((r[a], r[b - 1] + 1) for a, b in zip(starts, ends))
+        return row_runs(self.real_rows())
 
     @functools.cached_property
     def layout_crc(self) -> int:

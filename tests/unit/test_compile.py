@@ -136,6 +136,29 @@ def test_operator_opcheck():
     assert op._settings(args[-1]) == settings  # every field crosses, by its repr
     got = torch.ops.sp_kpool.kpool_topk(*args)
     assert torch.equal(got, sp_kpool.kpool_topk(**a, seq=seq, topk=8, alignment=8))
+    rows = torch.arange(seq.shard_size) % 3 == 1  # rows=: the last, optional argument
+    torch.library.opcheck(torch.ops.sp_kpool.kpool_topk.default, args + (rows,))
+    got = torch.ops.sp_kpool.kpool_topk(*args, rows)
+    assert torch.equal(got, sp_kpool.kpool_topk(**a, seq=seq, topk=8, alignment=8, rows=rows))
+    assert torch.equal(got[rows], sp_kpool.kpool_topk(**a, seq=seq, topk=8, alignment=8)[rows])
+
+
+def test_rows_cross_the_compiled_graph():
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def f(q, k, gates, head_weights, ape, seq, rows):
+        return sp_kpool.kpool_topk(q, k, gates, head_weights, ape, seq, topk=8, rows=rows)
+
+    for docs in ([30, 17], [9, 80, 4]):
+        x = make_inputs(docs, heads=H, head_dim=D, kpool=4, seed=len(docs))
+        seq = ShardedSequence.split(x.cu_seq_lens, 1, 0)
+        a = shard_inputs(x, seq)
+        rows = torch.arange(0, seq.shard_size, 5)
+        full = sp_kpool.kpool_topk(**a, seq=seq, topk=8)
+        got = f(a["q"], a["k"], a["gates"], a["head_weights"], a["ape"], seq, rows)
+        assert torch.equal(got[rows], full[rows]) and int((got >= 0).sum()) == int((full[rows] >= 0).sum())
+    assert counter.frame_count <= 2
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -127,6 +127,26 @@ def test_missing_rows_compute_with_inputs_dict_or_callable(config):
     assert calls == [1]
 
 
+def test_missing_rows_compute_exactly_the_uncovered_rows(monkeypatch):
+    import sp_kpool.api
+
+    config = CONFIGS[0]
+    x = _problem()
+    ref, seq1 = _world1(x, config)
+    caps = _truncated(replay.documents(ref, seq1), drop=3)
+    asked, real = [], sp_kpool.api.kpool_topk
+
+    def spy(*args, rows=None, **kw):
+        asked.append(rows)
+        return real(*args, rows=rows, **kw)
+
+    monkeypatch.setattr(sp_kpool.api, "kpool_topk", spy)
+    assert torch.equal(replay.shard(caps, seq1, config, inputs=shard_inputs(x, seq1)), ref)
+    cu = x.cu_seq_lens
+    uncovered = sorted(t for d in range(len(LENGTHS)) for t in range(max(cu[d], cu[d + 1] - 3), cu[d + 1]))
+    assert len(asked) == 1 and asked[0].tolist() == uncovered
+
+
 # --------------------------------------------------------------------------- validation errors
 
 
@@ -370,6 +390,19 @@ def test_indexer_replay_and_verify_modes():
     rep = verify.last_comparison
     assert rep["rows_differing"] == 1 and rep["first_difference"]["document"] == 2
     assert rep["first_difference"]["row"] == 40
+    sampled = _indexer(mode="verify", verify_rows=0.25)
+    hit = None
+    for seed in range(20):  # a seed whose sample holds the perturbed row, and one whose does not
+        sampled.verify_seed = seed
+        sample = replay.sample_rows(seq, 0.25, seed)
+        assert sample.numel() == round(0.25 * sum(LENGTHS))
+        assert torch.equal(sampled(hidden, q_resid, seq, replay=perturbed), ids)
+        rep = sampled.last_comparison
+        assert rep["rows"] == sample.numel() and (rep["verify_rows"], rep["verify_seed"]) == (0.25, seed)
+        held = sum(LENGTHS[:2]) + 40 in sample.tolist()
+        assert rep["rows_differing"] == int(held)
+        hit = (hit or set()) | {held}
+    assert hit == {True, False}
     with pytest.raises(TypeError, match="replay: given, but the module's mode is 'compute'"):
         _indexer()(hidden, q_resid, seq, replay=capture)
     with pytest.raises(TypeError, match="captured: expected a list"):
