@@ -1,4 +1,5 @@
-"""``KPoolIndexer``: the GLM-5.3 KPool lightning indexer as a frozen ``nn.Module``.
+"""``KPoolIndexer``: the GLM-5.3 KPool lightning indexer as an ``nn.Module`` (frozen, or
+trainable with its KL loss: ``trainable=True``, :meth:`KPoolIndexer.kl_loss`).
 
 Parameter names match the checkpoint (``...self_attn.indexer.*``) and the state dict of
 ``transformers``' ``Glm5NextTextIndexer``, so ``load_state_dict(strict=True)`` works:
@@ -63,6 +64,14 @@ class KPoolIndexer(nn.Module):
         replay_ids, replay_missing: ``ids=`` and ``missing=`` of :func:`sp_kpool.replay.shard`
             (``"tokens"``, ``"compute"``: rows the capture does not cover are computed,
             only they: ``kpool_topk(rows=)``).
+        trainable: ``False`` (default): a frozen indexer, every parameter
+            ``requires_grad=False``. ``True``: the parameters train; :meth:`forward` keeps
+            (detached) what the loss needs, and :meth:`kl_loss`, called after the attention
+            has run, returns the indexer's KL loss (:func:`sp_kpool.indexer_kl_loss`) with
+            gradients to the parameters only (the inputs detached, as Megatron, MaxText and
+            XTuner do). The selection keeps the module's precision and mode (the sparse
+            stage's ids may come from any precision or from ``replay``); the loss's student
+            is the ``bf16`` model arithmetic.
         verify_rows, verify_seed: ``mode="verify"``: compute and compare only a sample of
             ``verify_rows`` of each rank's rows (default ``1.0``: all), drawn from
             ``verify_seed`` (the same on every rank; the attribute may be set per step).
@@ -106,6 +115,7 @@ class KPoolIndexer(nn.Module):
         replay_missing: str = "compute",
         verify_rows: float = 1.0,
         verify_seed: int = 0,
+        trainable: bool = False,
     ) -> None:
         super().__init__()
         hidden_size, q_lora_rank, index_n_heads, index_head_dim, index_topk, index_kpool = (
@@ -142,7 +152,12 @@ class KPoolIndexer(nn.Module):
         self.weights_proj = nn.Linear(hidden_size, index_n_heads, bias=False, **fp32)
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(index_kpool, index_head_dim, **fk))
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(index_head_dim, hidden_size, **fk))
-        self.requires_grad_(False)
+        if not isinstance(trainable, bool):
+            raise TypeError(f"trainable: expected a bool, got {type(trainable).__name__}")
+        self.trainable = trainable
+        self.requires_grad_(trainable)
+        #: ``trainable=True``: ``(hidden, q_resid, seq, ids)`` of the last forward (detached)
+        self._last: tuple | None = None
         self._capture = _capture_mod.hook_for(capture_dir, self.settings)  # None: no capture, no cost
         from . import replay as _replay
 
@@ -193,7 +208,15 @@ class KPoolIndexer(nn.Module):
     def prepare(
         self, hidden: torch.Tensor, q_resid: torch.Tensor, precision: str | None = None
     ) -> dict[str, torch.Tensor]:
-        """Projections of the local rows, as ``kpool_topk`` takes them.
+        """Projections of the local rows, as ``kpool_topk`` takes them (no gradients; see
+        :meth:`project`)."""
+        return self.project(hidden, q_resid, precision)
+
+    def project(
+        self, hidden: torch.Tensor, q_resid: torch.Tensor, precision: str | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Projections of the local rows, as ``kpool_topk`` takes them (differentiable in the
+        parameters where grad mode is on: what :meth:`kl_loss` uses).
 
         Args:
             hidden: ``[S_local, hidden_size]``; q_resid: ``[S_local, q_lora_rank]``.
@@ -257,8 +280,32 @@ class KPoolIndexer(nn.Module):
             pipeline.fail_on_every_rank(seq, TypeError("replay: given, but the module's mode is 'compute' (set "
                                                        "mode='replay' or 'verify')"), self.settings)  # fmt: skip
         if self.mode != "compute":
-            return self._replayed(hidden, q_resid, seq, replay)
-        return self._computed(hidden, q_resid, seq)
+            ids = self._replayed(hidden, q_resid, seq, replay)
+        else:
+            ids = self._computed(hidden, q_resid, seq)
+        if self.trainable:
+            self._last = (hidden.detach(), q_resid.detach(), seq, ids)
+        return ids
+
+    def kl_loss(self, teacher, *, selection=None, coeff: float = 1.0, normalize: str = "global_rows",
+                determinism: str = "ordered") -> torch.Tensor:  # fmt: skip
+        """The indexer's KL loss against the attention for the last :meth:`forward` call
+        (``trainable=True``; call it after the attention has run, every rank alike).
+
+        ``teacher``: :class:`sp_kpool.TokenMass` (column-aligned with the ids the forward
+        returned) or :class:`sp_kpool.AttentionTeacher`. ``selection``: ``None`` (the sparse
+        stage: the forward's ids), ``"dense"`` (the warm-up: every visible pool), or other
+        ids of the same shape. ``coeff``, ``normalize``, ``determinism``: as
+        :func:`sp_kpool.indexer_kl_loss`. The projections are recomputed from the forward's
+        detached inputs in the ``bf16`` model arithmetic, with gradients to the parameters
+        only; each row is scored where it lives (the module's ``balance`` applies to its
+        selection only). Returns this rank's share (``[]``, FP32, float64 for a float64
+        module).
+
+        Under ``torch.compile`` the loss is a graph break (it runs eagerly: its collectives
+        and host tables are not traced); the forward before it compiles as before.
+        """
+        return _kl_loss(self, teacher, selection, coeff, normalize, determinism)
 
     def _computed(self, hidden: torch.Tensor, q_resid: torch.Tensor, seq: ShardedSequence,
                   rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -295,3 +342,22 @@ class KPoolIndexer(nn.Module):
             report["verify_rows"], report["verify_seed"] = self.verify_rows, self.verify_seed
             self.last_comparison = report
         return ids
+
+
+@torch.compiler.disable
+def _kl_loss(module: KPoolIndexer, teacher, selection, coeff, normalize, determinism) -> torch.Tensor:
+    from .training import indexer_kl_loss
+
+    if not module.trainable:
+        raise RuntimeError("kl_loss: the indexer was built with trainable=False (frozen); build it with "
+                           "trainable=True to train it")  # fmt: skip
+    if module._last is None:
+        raise RuntimeError("kl_loss: no forward call to take the loss of (call the indexer's forward first, "
+                           "eagerly, on this step's inputs)")  # fmt: skip
+    hidden, q_resid, seq, ids = module._last
+    with torch.enable_grad():
+        prepared = module.project(hidden, q_resid, "bf16")
+    config = module.config.replace(precision="bf16")
+    return indexer_kl_loss(**prepared, seq=seq, teacher=teacher, selection=ids if selection is None else selection,
+                           coeff=coeff, normalize=normalize, determinism=determinism, config=config,
+                           options=module.options.replace(balance="none"), settings=module.settings)  # fmt: skip

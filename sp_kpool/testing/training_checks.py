@@ -93,3 +93,59 @@ def compare_with_world1(rank, world_size, lengths, layout, kw, sparse, teacher_k
         ref = g1[i]
         out["grads"][name] = (float((whole - ref).abs().max()), float(ref.abs().max()), bool(torch.equal(whole, ref)))
     return out
+
+
+def indexer_module(dtype=torch.float64, seed=0, **kw):
+    """A small trainable ``KPoolIndexer`` with random parameters (the same on every rank)."""
+    from ..indexer import KPoolIndexer
+
+    m = KPoolIndexer(hidden_size=12, q_lora_rank=10, index_n_heads=3, index_head_dim=8, index_topk=4, index_kpool=2,
+                     trainable=True, dtype=dtype, **kw)  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+    return m
+
+
+def module_inputs(lengths, seed=0, dtype=torch.float64, hq=2, dqk=6):
+    """``hidden [N, 12]``, ``q_resid [N, 10]`` and an attention teacher ``(q_t, k_t, lse)``."""
+    g = torch.Generator().manual_seed(seed + 11)
+    N = sum(lengths)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    return rnd(N, 12), rnd(N, 10), (rnd(N, hq, dqk), rnd(N, dqk), (rnd(N, hq) + 4))
+
+
+def module_step(rank, world_size, lengths, layout, determinism, dense):
+    """One training step of :func:`indexer_module` on every rank: the loss share and each
+    parameter's gradient, all-reduced (summed) over the ranks as a framework does, next to
+    world size 1's; ``{"loss": (sum, ws1), "grads": {name: (max |diff|, max |g|, bitwise)}}``."""
+    import torch.distributed as dist
+
+    import sp_kpool
+
+    hidden, q_resid, (qt, kt, lse) = module_inputs(lengths)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+
+    def step(seq):
+        m = indexer_module()
+        m(seq.local_rows(hidden), seq.local_rows(q_resid), seq)
+        teacher = sp_kpool.AttentionTeacher(seq.local_rows(qt), kt, seq.local_rows(lse), 0.4)
+        loss = m.kl_loss(teacher, selection="dense" if dense else None, determinism=determinism)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    l1, g1 = step(layout_seqs(cu, 1)[0])
+    seq = ShardedSequence.split(cu, world_size, rank, dist.group.WORLD, layout=layout)
+    lw, gw = step(seq)
+    dist.all_reduce(lw)
+    out = {"loss": (float(lw), float(l1)), "grads": {}}
+    for name, g in gw.items():
+        dist.all_reduce(g)
+        out["grads"][name] = (float((g - g1[name]).abs().max()), float(g1[name].abs().max()), bool(torch.equal(g, g1[name])))
+    return out

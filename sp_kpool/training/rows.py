@@ -73,61 +73,82 @@ class SparseCandidates:
 
 
 def sparse_candidates(ids: torch.Tensor, rows: torch.Tensor, tables: RowTables, slots: int, *,
-                      name: str = "selection") -> SparseCandidates:  # fmt: skip
+                      name: str = "selection", block: int = 1024) -> SparseCandidates:  # fmt: skip
     """The complete pools among the selected ids of real rows ``rows``.
 
     Args:
         ids: ``[n, width]`` int64 CPU: real-token ids (``-1`` unused) of the rows ``rows``
             (``[n]`` int64 real rows).
         slots: the most candidates a row may have (``topk // K``).
+        block: rows handled at once (bounds the scratch: a few ``[block, width]`` int64).
 
+    One sort per row of its visible pools: a row's ids are valid when, sorted, its visible
+    pools come in runs of exactly ``K`` (the candidate ``j`` is then the run at ``[jK, (j + 1)K)``).
     Raises ``ValueError`` naming ``name``, the row and the id when an id is neither in a
     complete pool the row can see nor in its tail, when a pool appears with other than
     ``K`` of its ids (or an id twice), or a row has more than ``slots`` pools.
     """
     K = tables.kpool
     n, width = ids.shape
+    pools = torch.full((n, slots), -1, dtype=torch.int64)
+    col_slot = torch.full((n, width), -1, dtype=torch.int64)
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        pools[a:b], col_slot[a:b] = _candidates_block(ids[a:b], rows[a:b], tables, slots, name)
+    return SparseCandidates(pools, col_slot)
+
+
+def _candidates_block(ids, rows, tables: RowTables, slots: int, name: str):
+    K = tables.kpool
+    n, width = ids.shape
     N = tables.doc.numel()
-    valid = ids >= 0
     if bool((ids >= N).any()):
         r, c = (int(v) for v in torch.nonzero(ids >= N)[0])
         raise ValueError(f"{name}: row {int(rows[r])} (real row) column {c} holds id {int(ids[r, c])}, "
                          f"expected -1 or a real token id < {N}")  # fmt: skip
-    x = ids.clamp(min=0)
-    t = rows[:, None].expand(n, width)
-    pool = tables.tok_pool[x]
-    ok_pool = pool >= 0
-    pool_c = pool.clamp(min=0)
-    same_doc = tables.doc[x] == tables.doc[t]
-    visible = valid & ok_pool & same_doc & (tables.pool_tok_start[pool_c] + K - 1 <= t) if tables.num_pools else valid & False
-    tail_lo = t - (tables.pos[t] + 1) % K + 1
-    tail = valid & same_doc & (x <= t) & (x >= tail_lo) & ~visible
-    bad = valid & ~visible & ~tail
+    valid = ids >= 0
+    pool = torch.where(valid, tables.tok_pool[ids.clamp(min=0)], -1)
+    lo, hi = tables.vis_lo[rows][:, None], tables.vis_hi[rows][:, None]
+    visible = (pool >= lo) & (pool < hi)  # a complete pool of the row's document ending at or before it
+    other = valid & ~visible
+    if bool(other.any()):  # the tail, or an id the row cannot select
+        r_i, c_i = torch.nonzero(other, as_tuple=True)
+        t, x = rows[r_i], ids[r_i, c_i]
+        tail = (tables.doc[x] == tables.doc[t]) & (x <= t) & (x > t - (tables.pos[t] + 1) % K)
+        if not bool(tail.all()):
+            i = int(torch.nonzero(~tail)[0])
+            raise ValueError(f"{name}: row {int(t[i])} (real row) column {int(c_i[i])} holds id {int(x[i])}, which "
+                             f"that row cannot select: expected a token of a complete pool of its document ending "
+                             f"at or before it, or of its tail, or -1")  # fmt: skip
+    big = torch.iinfo(torch.int64).max
+    pad = (-width) % K
+    key = torch.where(visible, pool, big)
+    if pad:
+        key = torch.cat([key, key.new_full((n, pad), big)], dim=1)
+    srt, order = torch.sort(key, dim=1, stable=True)
+    groups = srt.view(n, -1, K)
+    head = groups[:, :, 0]
+    used = head != big
+    whole = (groups == head[:, :, None]).all(dim=2)
+    distinct = torch.ones_like(used)
+    distinct[:, 1:] = head[:, 1:] != head[:, :-1]
+    bad = used & ~(whole & distinct)
     if bool(bad.any()):
-        r, c = (int(v) for v in torch.nonzero(bad)[0])
-        raise ValueError(f"{name}: row {int(rows[r])} (real row) column {c} holds id {int(ids[r, c])}, which that row "
-                         f"cannot select: expected a token of a complete pool of its document ending at or before "
-                         f"it, or of its tail, or -1")  # fmt: skip
-    P = max(tables.num_pools, 1)
-    key = torch.where(visible, torch.arange(n)[:, None] * P + pool_c, torch.full_like(pool_c, -1))
-    flat = key[visible]
-    uniq, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
-    if bool((counts != K).any()):
-        i = int(torch.nonzero(counts != K)[0])
-        r, p = divmod(int(uniq[i]), P)
-        raise ValueError(f"{name}: row {int(rows[r])} (real row) holds {int(counts[i])} ids of pool {p} "
+        r, j = (int(v) for v in torch.nonzero(bad)[0])
+        p = int(head[r, j]) if not bool(whole[r, j]) or bool(distinct[r, j]) else int(head[r, j - 1])
+        count = int((key[r] == p).sum())
+        raise ValueError(f"{name}: row {int(rows[r])} (real row) holds {count} ids of pool {p} "
                          f"(tokens {int(tables.pool_tok_start[p])}..{int(tables.pool_tok_start[p]) + K - 1}), "
                          f"expected all {K} ids of a selected pool, once each")  # fmt: skip
-    row_of = uniq // P
-    per_row = torch.bincount(row_of, minlength=n)
+    per_row = used.sum(dim=1)
     if n and int(per_row.max()) > slots:
         r = int(per_row.argmax())
         raise ValueError(f"{name}: row {int(rows[r])} (real row) selects {int(per_row[r])} pools, expected at most "
                          f"topk // kpool = {slots}")  # fmt: skip
-    first = torch.cumsum(per_row, 0) - per_row
-    slot = torch.arange(uniq.numel()) - first[row_of]  # uniq is sorted: ascending pools within a row
+    m = min(slots, head.shape[1])
     pools = torch.full((n, slots), -1, dtype=torch.int64)
-    pools[row_of, slot] = uniq % P
-    col_slot = torch.full((n, width), -1, dtype=torch.int64)
-    col_slot[visible] = slot[inverse]
-    return SparseCandidates(pools, col_slot)
+    pools[:, :m] = torch.where(used[:, :m], head[:, :m], -1)
+    slot_of = (torch.arange(key.shape[1]) // K)[None].expand(n, -1)
+    col = torch.full((n, key.shape[1]), -1, dtype=torch.int64)
+    col.scatter_(1, order, torch.where(srt != big, slot_of, -1))
+    return pools, col[:, :width]

@@ -233,3 +233,84 @@ def test_errors_name_the_argument():
         call(normalize="mean")
     with pytest.raises(TypeError, match="indexer_kl_loss: unexpected keyword argument"):
         call(topk_=3)
+
+
+def test_trainable_module_equals_the_definition():
+    """``KPoolIndexer(trainable=True)``: forward returns the frozen module's ids, ``kl_loss``
+    backpropagates to every parameter; loss and parameter gradients equal the naive
+    reference's on the module's own projections (float64)."""
+    from sp_kpool.testing.training_checks import indexer_module, module_inputs
+
+    lengths = [9, 6, 3, 1, 5]
+    hidden, q_resid, (qt, kt, lse) = module_inputs(lengths)
+    seq = layout_seqs([0, 9, 15, 18, 19, 24], 1)[0]
+    m = indexer_module()
+    frozen = indexer_module()
+    frozen.trainable = False
+    frozen.requires_grad_(False)
+    ids = m(hidden, q_resid, seq)
+    assert torch.equal(ids, frozen(hidden, q_resid, seq))
+    for dense in (False, True):
+        m.zero_grad()
+        loss = m.kl_loss(AttentionTeacher(qt, kt, lse, 0.4), selection="dense" if dense else None)
+        loss.backward()
+        ours = {n: p.grad.clone() for n, p in m.named_parameters()}
+        ref_m = indexer_module()
+        p = ref_m.project(hidden, q_resid, "bf16")
+        ref = kl_loss_reference(p["q"], p["k"], p["gates"], p["head_weights"], p["ape"], seq.cu_seq_lens,
+                                selection=None if dense else seq.real_ids(ids).long(),
+                                attention=(qt, kt, lse, 0.4))  # fmt: skip
+        ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+        for name, q in ref_m.named_parameters():
+            assert float(q.grad.abs().max()) > 0, name
+            torch.testing.assert_close(ours[name], q.grad, rtol=0, atol=1e-11 * float(q.grad.abs().max()), msg=name)
+    with pytest.raises(RuntimeError, match="kl_loss: the indexer was built with trainable=False"):
+        frozen.kl_loss(AttentionTeacher(qt, kt, lse, 0.4))
+    with pytest.raises(RuntimeError, match="kl_loss: no forward call"):
+        indexer_module().kl_loss(AttentionTeacher(qt, kt, lse, 0.4))
+    assert not any(p.requires_grad for p in frozen.parameters())
+
+
+def test_trainable_module_under_compile_is_a_graph_break():
+    """Under torch.compile the loss runs eagerly (a documented graph break): same loss and
+    gradients as eager."""
+    from sp_kpool.testing.training_checks import indexer_module, module_inputs
+
+    hidden, q_resid, (qt, kt, lse) = module_inputs([7, 5])
+    seq = layout_seqs([0, 7, 12], 1)[0]
+    teacher = AttentionTeacher(qt, kt, lse, 0.4)
+    results = []
+    for compiled in (False, True):
+        m = indexer_module()
+
+        def step(h, r):
+            m(h, r, seq)
+            return m.kl_loss(teacher, selection="dense")
+
+        fn = torch.compile(step, backend="eager") if compiled else step
+        loss = fn(hidden, q_resid)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in m.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+@pytest.mark.xdist_group("ranks")
+@pytest.mark.parametrize("case", [(2, "contiguous", "ordered", False), (3, "zigzag", "exact", True)],
+                         ids=lambda c: "-".join(map(str, c)))  # fmt: skip
+def test_trainable_module_ranks_equal_world_size_1(case):
+    """A training step on gloo ranks: the parameter gradients summed over the ranks (what the
+    framework's all-reduce does) equal world size 1's within 1e-9 max|g| (float64; the
+    parameters the module stores in FP32 within 1e-5): the per-rank parameter gradients
+    are sums over each rank's rows, regrouped by the framework's sum."""
+    from sp_kpool.testing.training_checks import module_step
+
+    W, layout, det, dense = case
+    results = run_ranks(module_step, W, ([13, 7, 5, 1, 9, 2], layout, det, dense), timeout=240)
+    for res in results:
+        total, one = res["loss"]
+        assert one > 0 and abs(total - one) <= 1e-12 * one
+        for name, (diff, scale, _) in res["grads"].items():
+            tol = 1e-5 if name in sp_kpool.KPoolIndexer.FP32_PARAMETERS else 1e-9  # stored FP32 (serving's)
+            assert scale > 0 and diff <= tol * scale, (name, diff, scale)
