@@ -2,10 +2,12 @@
 
 The DSA layout helpers (``megatron/core/transformer/experimental_attention_variant/dsa_layout.py``,
 plain torch; first released in megatron-core 0.19.0), ``get_batch_on_this_cp_rank`` of
-``megatron/core/utils.py`` (its two functions compiled from the wheel's source) and the
-``PackedSeqParams`` dataclass (``megatron/core/packed_seq_params.py``), without installing
-Megatron or its dependencies. Shared by ``test_layout_reference.py`` and
-``test_integrations_megatron.py``.
+``megatron/core/utils.py`` (its two functions compiled from the wheel's source), the
+``PackedSeqParams`` dataclass (``megatron/core/packed_seq_params.py``) and the DSA indexer
+loss (``compute_dsa_indexer_loss``, ``bwd_fused_indexer_loss_naive`` of ``dsa.py``, compiled
+alone with their plain-torch helpers), without installing Megatron or its dependencies.
+Shared by ``test_layout_reference.py``, ``test_integrations_megatron.py`` and
+``test_training_references.py``.
 
 The wheel: ``scripts/reference_wheels.sh`` (run by ``scripts/test.sh``) downloads it into
 ``.cache/wheels/`` and exports its path as ``SP_KPOOL_MEGATRON_WHEEL``. Without it the tests
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 import importlib.abc
 import importlib.util
 import os
@@ -23,7 +26,7 @@ import sys
 import types
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 from unittest import mock
 
 import pytest
@@ -182,3 +185,58 @@ def sort_topk_by_index() -> Callable:
     the wheel, fails in CI."""
     megatron()
     return _sort_topk_by_index_cached(_find_wheel())
+
+
+# --- the DSA indexer loss (dsa.py) and its plain-torch helpers -----------------------------
+
+DSA_MEMBER = "megatron/core/transformer/experimental_attention_variant/dsa.py"
+INDEXER_LOSS_MEMBER = "megatron/core/transformer/experimental_attention_variant/dsa_indexer_loss.py"
+DSA_LOSS_FUNCTIONS = ("compute_dsa_indexer_loss", "_compute_index_scores", "bwd_fused_indexer_loss_naive")
+
+
+def _compile_functions(wheel: Path, member: str, wanted, namespace: dict) -> dict:
+    """The top-level functions ``wanted`` (all of them: ``None``) of one ``.py`` member,
+    compiled alone into ``namespace`` (their module-level imports are not run)."""
+    with zipfile.ZipFile(wheel) as z:
+        source = z.read(member).decode()
+    body = [n for n in ast.parse(source).body
+            if isinstance(n, ast.FunctionDef) and (wanted is None or n.name in wanted)]  # fmt: skip
+    if wanted is not None:
+        missing = set(wanted) - {n.name for n in body}
+        assert not missing, f"{member} of {wheel.name}: no {sorted(missing)}"
+    exec(compile(ast.Module(body=body, type_ignores=[]), f"{wheel}/{member}", "exec"), namespace)
+    return namespace
+
+
+@functools.lru_cache(maxsize=None)
+def _dsa_indexer_loss_cached(wheel: Path) -> types.SimpleNamespace:
+    layout = _load_dsa_layout(wheel)
+    loader = _WheelMemberLoader(wheel, INDEXER_LOSS_MEMBER)  # imports torch and typing only
+    spec = importlib.util.spec_from_loader("_sp_kpool_ref_megatron_dsa_indexer_loss", loader,
+                                           origin=loader.get_filename(""))  # fmt: skip
+    indexer_loss = importlib.util.module_from_spec(spec)
+    loader.exec_module(indexer_loss)
+    # dsa_masking.py: every function, compiled without its imports; PackedSeqParams and
+    # AttnMaskType appear only in annotations and in functions not called here
+    masking = types.ModuleType("_sp_kpool_ref_megatron_dsa_masking")
+    stub = {"PackedSeqParams": type("PackedSeqParams", (), {}), "AttnMaskType": type("AttnMaskType", (), {})}
+    masking.__dict__.update(_compile_functions(wheel, MASKING_MEMBER, None, {
+        "torch": torch, "Optional": Optional, "Tuple": Tuple, "dsa_layout": layout, **stub}))  # fmt: skip
+    # dsa.py imports all of Megatron: the three functions alone, with the modules they use;
+    # ProcessGroupCollection is an annotation only (the caller passes a stub with .tp.size())
+    ns = _compile_functions(wheel, DSA_MEMBER, DSA_LOSS_FUNCTIONS, {
+        "torch": torch, "math": math, "Optional": Optional, "Tuple": Tuple, "Union": Union,
+        "ProcessGroupCollection": type("ProcessGroupCollection", (), {}),
+        "dsa_layout": layout, "dsa_masking": masking, "dsa_indexer_loss": indexer_loss})  # fmt: skip
+    one_rank = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))
+    return types.SimpleNamespace(masking=masking, pg_collection=one_rank, **{n: ns[n] for n in DSA_LOSS_FUNCTIONS})
+
+
+def dsa_indexer_loss() -> types.SimpleNamespace:
+    """Megatron's DSA indexer loss from the wheel's ``dsa.py``: ``compute_dsa_indexer_loss``,
+    ``_compute_index_scores`` and ``bwd_fused_indexer_loss_naive`` (compiled alone from the
+    source, with ``dsa_masking.py``'s functions, ``dsa_indexer_loss.py`` and ``dsa_layout.py``:
+    plain torch), ``masking`` (the ``dsa_masking`` functions) and ``pg_collection``: a stub
+    whose ``tp.size()`` is 1 (no TP all-reduce). Skips without the wheel, fails in CI."""
+    megatron()
+    return _dsa_indexer_loss_cached(_find_wheel())
