@@ -17,9 +17,14 @@ row); every rank replays them with :func:`~sp_kpool.integrations.megatron.replay
 uncovered rows computed) and checks them against the computed ids bit for bit and with
 :func:`sp_kpool.replay.compare` (no row differs, totals over the ranks).
 
+``--train``: a training step of the indexer's KL loss. Every rank computes
+:func:`sp_kpool.indexer_kl_loss` on its THD rows (its ids as the selection, a random
+``TokenMass`` aligned with them) and checks its gradients, the loss shares' sum and
+``ape``'s summed gradient against world size 1's on the padded stream.
+
 Megatron is not needed: ``PackedSeqParams``' fields are given in a ``SimpleNamespace`` (the
 adapter reads attributes only). Run: ``python examples/megatron_cp.py [--world-size 2..4]
-[--device cuda] [--replay]``.
+[--device cuda] [--replay | --train]``.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def packed_seq_params(lengths, cp_size):
                            cu_seqlens_kv_padded=cu_pad)  # fmt: skip
 
 
-def check(seq, world1, dev, seed, fault, replayed=False):
+def check(seq, world1, dev, seed, fault, replayed=False, train=False):
     import torch.distributed as dist
 
     total = world1.total_length
@@ -65,6 +70,11 @@ def check(seq, world1, dev, seed, fault, replayed=False):
     ref = kpool_topk(q, k, gates, w, ape, world1, topk=TOPK, kpool=K)
     computed = kpool_topk(q[pos], k[pos], gates[pos], w[pos], ape, seq, topk=TOPK, kpool=K)  # local rows in and out
     ids = computed
+    if train:  # the indexer's KL loss on these rows, against world size 1's
+        from sp_kpool.testing.training_checks import stream_training_check
+
+        stream = dict(q=q, k=k, gates=gates, head_weights=w, ape=ape)
+        return stream_training_check(seq, world1, stream, computed, ref, topk=TOPK, kpool=K, seed=seed, fault=fault)
     agree = True
     if replayed:  # the rollout's per-request capture (no row for each sequence's last token)
         capture = [d[:-1] for d in replay.documents(ref, world1)]
@@ -85,7 +95,7 @@ def check(seq, world1, dev, seed, fault, replayed=False):
     return same and indexes_reordered and agree
 
 
-def rank_main(rank, world_size, device, inject_fault, replayed=False):
+def rank_main(rank, world_size, device, inject_fault, replayed=False, train=False):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -93,10 +103,10 @@ def rank_main(rank, world_size, device, inject_fault, replayed=False):
     cp_group = dist.new_group(list(range(world_size)))
     p = packed_seq_params(SEQS, world_size)
     packed = check(sharded_sequence(p, cp_group), sharded_sequence(p, world_size=1), dev, 0,
-                   inject_fault and rank == 0, replayed)  # fmt: skip
+                   inject_fault and rank == 0, replayed, train)  # fmt: skip
     S = 16 * world_size
     nonpacked = check(sharded_sequence(None, cp_group, seq_len=S), sharded_sequence(None, seq_len=S), dev, 1, False,
-                      replayed)  # fmt: skip
+                      replayed, train)  # fmt: skip
     return packed, nonpacked
 
 
@@ -106,14 +116,15 @@ def main(argv=None):
     ap.add_argument("--device", type=device_flag(), default="cpu", help="cpu or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--inject-fault", action="store_true", help="corrupt one id (the self-check must FAIL)")
     ap.add_argument("--replay", action="store_true", help="replay the rollout's selection instead of computing it")
+    ap.add_argument("--train", action="store_true", help="a training step of the indexer's KL loss, vs world size 1")
     args = ap.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    results = run_ranks(rank_main, args.world_size, (args.device, args.inject_fault, args.replay), backend=backend,
-                        timeout=300)  # fmt: skip
+    results = run_ranks(rank_main, args.world_size, (args.device, args.inject_fault, args.replay, args.train),
+                        backend=backend, timeout=300)  # fmt: skip
     for rank, (packed, nonpacked) in enumerate(results):
         print(f"rank {rank}: packed THD {'PASS' if packed else 'FAIL'}, non-packed {'PASS' if nonpacked else 'FAIL'}")
     ok = all(a and b for a, b in results)
-    name = "megatron_cp --replay" if args.replay else "megatron_cp"
+    name = "megatron_cp --replay" if args.replay else "megatron_cp --train" if args.train else "megatron_cp"
     print(f"{name} world_size={args.world_size} device={args.device}: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -21,7 +21,12 @@ returns per request (request-local token positions, one array per document, with
 last token's row, which the engine never ran) and passes them as ``replay=``: the replayed
 ids (the uncovered rows computed) must equal the computed ones bit for bit, on every rank.
 
-Run: ``python examples/xtuner_sp.py [--world-size 2..4] [--device cuda] [--replay]``.
+``--train``: a training step of the indexer's KL loss. Every rank computes
+:func:`sp_kpool.indexer_kl_loss` on its rows (XTuner's columns as the selection, a random
+``TokenMass`` aligned with them, XTuner's padding document included) and checks its
+gradients, the loss shares' sum and ``ape``'s summed gradient against world size 1's.
+
+Run: ``python examples/xtuner_sp.py [--world-size 2..4] [--device cuda] [--replay | --train]``.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ def rollout_capture(whole, cu):
     return [d[: max(0, d.shape[0] - 1)] for d in docs]
 
 
-def rank_main(rank, world_size, device, inject_fault, replayed=False):
+def rank_main(rank, world_size, device, inject_fault, replayed=False, train=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -91,6 +96,15 @@ def rank_main(rank, world_size, device, inject_fault, replayed=False):
     if replayed:  # the rollout's selection replayed on the local rows (uncovered rows computed)
         kw["replay"] = rollout_capture(whole, cu)
     ids = kpool_topk_indices(q[:, sl], k[:, sl], gates[:, sl], weights[:, sl], ape, ctx, **kw)
+    if train:  # the indexer's KL loss on XTuner's columns, against world size 1's
+        from sp_kpool.integrations.xtuner import from_sequence_context
+        from sp_kpool.testing.training_checks import stream_training_check
+
+        stream = dict(q=q[0], k=k[0], gates=gates[0], head_weights=weights[0], ape=ape)
+        ok = stream_training_check(from_sequence_context(ctx), from_sequence_context(SequenceContext(cu.to(dev), total)),
+                                   stream, ids[:, 0], whole[:, 0], topk=TOPK, kpool=K, alignment=ALIGN,
+                                   fault=inject_fault and rank == world_size - 1)  # fmt: skip
+        return ok, list(ids.shape)
     if inject_fault and rank == world_size - 1:
         ids = ids.clone()
         ids[0, 0, 0] += 1
@@ -105,14 +119,16 @@ def main(argv=None):
     ap.add_argument("--device", type=device_flag(), default="cpu", help="cpu or cuda (NCCL, one GPU per rank)")
     ap.add_argument("--inject-fault", action="store_true", help="corrupt one id (the self-check must FAIL)")
     ap.add_argument("--replay", action="store_true", help="replay the rollout's selection instead of computing it")
+    ap.add_argument("--train", action="store_true", help="a training step of the indexer's KL loss, vs world size 1")
     args = ap.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    results = run_ranks(rank_main, args.world_size, (args.device, args.inject_fault, args.replay), backend=backend,
-                        timeout=300)  # fmt: skip
+    results = run_ranks(rank_main, args.world_size, (args.device, args.inject_fault, args.replay, args.train),
+                        backend=backend, timeout=300)  # fmt: skip
+    what = "loss and gradients" if args.train else "ids"
     for rank, (ok, shape) in enumerate(results):
-        print(f"rank {rank}: ids {shape} {'PASS' if ok else 'FAIL'} (vs world size 1)")
+        print(f"rank {rank}: {what} {shape} {'PASS' if ok else 'FAIL'} (vs world size 1)")
     ok = all(r[0] for r in results)
-    name = "xtuner_sp --replay" if args.replay else "xtuner_sp"
+    name = "xtuner_sp --replay" if args.replay else "xtuner_sp --train" if args.train else "xtuner_sp"
     print(f"{name} world_size={args.world_size} device={args.device}: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -149,3 +149,44 @@ def module_step(rank, world_size, lengths, layout, determinism, dense):
         dist.all_reduce(g)
         out["grads"][name] = (float((g - g1[name]).abs().max()), float(g1[name].abs().max()), bool(torch.equal(g, g1[name])))
     return out
+
+
+def stream_training_check(seq, world1, stream: dict, ids, ids1, *, topk: int, kpool: int, alignment: int = 1,
+                          seed: int = 0, fault: bool = False, tol: float = 1e-5) -> bool:  # fmt: skip
+    """The examples' training step: this rank's ``indexer_kl_loss`` (a random ``TokenMass``
+    aligned with its ids) against world size 1's on the whole stream.
+
+    ``stream``: ``q``, ``k``, ``gates``, ``head_weights`` of the whole padded stream (stream
+    order) and ``ape``; ``ids``/``ids1``: this rank's ids (its rows, storage order) and the
+    world-size-1 ids of the stream. The inputs are taken in FP32. Every rank checks its
+    rows' gradients (within ``tol * max|g|`` of world size 1's), and the loss shares' and
+    ``ape``'s gradients' sums over the ranks; ``fault`` perturbs one gradient (the check
+    must then fail). A collective."""
+    import torch.distributed as dist
+
+    import sp_kpool
+
+    g = torch.Generator().manual_seed(seed + 101)
+    mass1 = torch.rand(ids1.shape, generator=g).to(ids1.device) * (ids1 >= 0)
+    kw = dict(topk=topk, kpool=kpool, alignment=alignment)
+    leaves1 = [stream[n].detach().float().requires_grad_() for n in NAMES]
+    loss1 = sp_kpool.indexer_kl_loss(*leaves1, world1, teacher=sp_kpool.TokenMass(mass1), selection=ids1, **kw)
+    grads1 = torch.autograd.grad(loss1, leaves1)
+    pos = seq.positions.to(ids1.device)
+    leaves = [stream[n].detach().float()[pos].requires_grad_() for n in NAMES[:4]]
+    leaves.append(stream["ape"].detach().float().requires_grad_())
+    mass = mass1[pos] * (ids >= 0)
+    loss = sp_kpool.indexer_kl_loss(*leaves, seq, teacher=sp_kpool.TokenMass(mass), selection=ids, **kw)
+    grads = list(torch.autograd.grad(loss, leaves))
+    if fault:
+        grads[0] = grads[0].clone()
+        grads[0].view(-1)[0] += 1e-3 * float(grads1[0].abs().max()) + 1e-30
+    share = loss.detach().clone()
+    dist.all_reduce(share, group=seq.group)
+    dist.all_reduce(grads[4], group=seq.group)
+    one = float(loss1.detach())
+    ok = abs(float(share) - one) <= tol * abs(one) and one > 0
+    for i, (a, b) in enumerate(zip(grads, grads1)):
+        ref = b if i == 4 else b[pos]
+        ok = ok and float((a - ref).abs().max()) <= tol * float(b.abs().max()) and float(b.abs().max()) > 0
+    return ok
