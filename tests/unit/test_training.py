@@ -314,3 +314,26 @@ def test_trainable_module_ranks_equal_world_size_1(case):
         for name, (diff, scale, _) in res["grads"].items():
             tol = 1e-5 if name in sp_kpool.KPoolIndexer.FP32_PARAMETERS else 1e-9  # stored FP32 (serving's)
             assert scale > 0 and diff <= tol * scale, (name, diff, scale)
+
+
+def _heads_split(rank, world_size):
+    """Tensor parallelism: each rank holds its share of the attention's heads (same rows);
+    the teacher's head sum is all-reduced over ``head_group``."""
+    import torch.distributed as dist
+
+    x, (qt, kt, lse) = training_case(LENGTHS, kpool=2, heads=2, head_dim=4, hq=4)
+    seq = layout_seqs(x.cu_seq_lens, 1)[0]
+    mine = slice(rank * 2, rank * 2 + 2)
+    full = indexer_kl_loss(*_leaves(x), seq, teacher=AttentionTeacher(qt, kt, lse, 0.5), selection="dense", topk=4,
+                           kpool=2)  # fmt: skip
+    part = AttentionTeacher(qt[:, mine].contiguous(), kt, lse[:, mine].contiguous(), 0.5, head_group=dist.group.WORLD)
+    split = indexer_kl_loss(*_leaves(x), seq, teacher=part, selection="dense", topk=4, kpool=2)
+    alone = indexer_kl_loss(*_leaves(x), seq, teacher=AttentionTeacher(qt[:, mine], kt, lse[:, mine], 0.5),
+                            selection="dense", topk=4, kpool=2)  # fmt: skip
+    return float(full.detach()), float(split.detach()), float(alone.detach())
+
+
+@pytest.mark.xdist_group("ranks")
+def test_head_group_sums_the_heads():
+    for full, split, alone in run_ranks(_heads_split, 2, timeout=120):
+        assert abs(split - full) <= 1e-12 * full and abs(alone - full) > 1e-6 * full
