@@ -194,8 +194,14 @@ def _cmd_parity(args) -> int:
         stderr_progress,
         write_outputs,
     )
+    from .parity.report import plots_unavailable
 
     progress = None if args.quiet else stderr_progress
+    # Asked before the work, not after it: without matplotlib the JSON and text are written
+    # and the plots are skipped, said here and again after the files (exit 0).
+    no_plots = None if args.no_plots else plots_unavailable()
+    if no_plots is not None:
+        print(f"note: the two PNG plots will be skipped: {no_plots}", file=sys.stderr, flush=True)
     try:
         a, b = args.a, args.b
         with tempfile.TemporaryDirectory(prefix="sp_kpool_parity_") as tmp:
@@ -223,8 +229,10 @@ def _cmd_parity(args) -> int:
             report = replay(capture, a, b, device=args.device, repeat=not args.no_repeat, progress=progress)
         print(format_table(report))
         out = args.out or time.strftime("sp_kpool-parity-%Y%m%d-%H%M%S")
-        for p in write_outputs(report, out, plots=not args.no_plots):
+        for p in write_outputs(report, out, plots=not args.no_plots and no_plots is None):
             print(f"wrote {p}")
+        if no_plots is not None:
+            print(f"skipped the plots: {no_plots}")
         if not args.out:
             print(f"(the files are in {out}/, a new folder of the current directory: --out DIR chooses another)")
     except (ValueError, ImportError) as exc:
@@ -269,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         "parity",
         help="replay a captured indexer call in two arms (precision[:backend]) and compare them",
         description="Recompute a capture (sp_kpool.capture) in arms A and B on identical inputs and print "
-        "a table, and write parity.json, parity.txt and two PNG plots (to --out). An arm is "
+        "a table, and write parity.json, parity.txt and two PNG plots (to --out; the plots need matplotlib, "
+        "without it they are skipped and said so). An arm is "
         "precision[:backend][+decode], precision in bf16, bf16-serving, fp8; backend defaults to auto; "
         "+decode compresses every pool in the decode order, ignoring the captured prompt lengths "
         "(fp8 vs fp8+decode: what the compression schedule changes).",

@@ -543,6 +543,26 @@ def test_cli_default_folder_and_a_capture_without_choice(tmp_path, monkeypatch, 
     assert f"the files are in {folders[0].name}/" in out
 
 
+def test_cli_without_matplotlib_writes_the_files_skips_the_plots_and_exits_0(tmp_path, monkeypatch, capsys):
+    """matplotlib missing (simulated: ``import matplotlib`` raises ImportError) is found before
+    the work: the JSON and text are written, the skipped plots are said, and the exit is 0."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    out_dir = tmp_path / "cli"
+    argv = ["parity", "--synthetic", "--quiet", "--device", "cpu", "--out", str(out_dir), "--tokens", "40",
+            "--hidden-size", str(HIDDEN), "--q-lora-rank", str(Q_LORA), "--heads", str(H), "--head-dim", str(D),
+            "--topk", str(T), "--a", "bf16", "--b", "bf16"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "note: the two PNG plots will be skipped: matplotlib is not importable" in captured.err
+    assert "skipped the plots: matplotlib is not importable" in captured.out
+    assert "pip install matplotlib" in captured.out
+    assert (out_dir / "parity.json").is_file() and (out_dir / "parity.txt").is_file()
+    assert not list(out_dir.glob("*.png"))
+
+
 def test_cli_help_shows_defaults(capsys):
     for cmd in ("demo", "parity"):
         with pytest.raises(SystemExit):
