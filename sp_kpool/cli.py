@@ -9,6 +9,20 @@ import time
 
 __all__ = ["main"]
 
+#: What ``python -m sp_kpool --help`` says (plain text: the module docstring is reST).
+DESCRIPTION = ("info (backends and why), demo (a checked sharded run), parity (replay a captured indexer call in "
+               "two arms and compare).")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` for flags whose default is a value; a flag without one (its
+    default ``None``, said in its help) or a switch shows none (not ``(default: None)``)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
 
 def _int_at_least(minimum: int):
     """An argparse ``type=``: an int >= ``minimum`` (argparse names the flag, exit 2)."""
@@ -253,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     from .backends import backend_names
     from .settings import PRECISIONS
 
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m sp_kpool", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    fmt = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
+    fmt = {"formatter_class": _HelpFormatter}
     info = sub.add_parser("info", help="print every backend, available or not, and why", **fmt)
     info.add_argument("--heads", type=_int_at_least(1), default=64)
     info.add_argument("--head-dim", type=_int_at_least(1), default=128)

@@ -241,9 +241,15 @@ class Settings:
         return Path(self.cache_dir) if self.cache_dir is not None else Path.home() / ".cache" / "sp_kpool"
 
     def describe(self) -> list[tuple[str, str, str]]:
-        """``(variable, effective value, source)`` rows for ``python -m sp_kpool info``."""
+        """``(variable, effective value, source)`` rows for ``python -m sp_kpool info``. A
+        variable that could not be read (:attr:`env_error`) shows ``invalid`` and its error
+        (the operator raises it on every call), not the default that stands in for it."""
+        invalid = {part.split(": ", 1)[0]: part.split(": ", 1)[-1] for part in (self.env_error or "").split("; ") if part}
         rows = []
         for name, var in ENV.items():
+            if var in invalid:
+                rows.append((var, "invalid", f"{invalid[var]} (every operator call raises this)"))
+                continue
             value = getattr(self, name)
             shown = _show(value)
             if name == "max_logits_bytes" and value is None:

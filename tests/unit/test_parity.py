@@ -572,6 +572,20 @@ def test_cli_help_shows_defaults(capsys):
         assert ("(default: fp8)" in text) if cmd == "parity" else ("(default: 4099)" in text)
 
 
+def test_cli_help_is_plain_text_and_shows_no_empty_default(capsys):
+    """No reST markup (the module docstring's ``literals``) and no ``(default: None)`` for a
+    flag whose default is said in its help (``--out``: a new folder)."""
+    for argv in (["--help"], ["info", "--help"], ["demo", "--help"], ["parity", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        assert "``" not in text and "(default: None)" not in text and "(default: False)" not in text, (argv, text)
+        if argv == ["--help"]:
+            assert "info (backends and why), demo (a checked sharded run)" in text
+        if argv[0] == "parity":
+            assert "default: a new folder sp_kpool-parity-DATE-TIME" in text and "(default: fp8)" in text
+
+
 def _rewritten(path, tmp_path, name, edit):
     """A copy of the capture ``path`` whose metadata ``edit(meta)`` changed (in place)."""
     from safetensors import safe_open
