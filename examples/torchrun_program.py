@@ -2,7 +2,10 @@
 
 Run (after ``bash scripts/demo.sh``, which made ``.venv``)::
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/torchrun_program.py
+    .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 examples/torchrun_program.py
+
+(``torchrun`` with ``.venv``'s Python: when ``.venv`` reuses the system's torch, a bare
+``torchrun`` is the system's script and runs the system Python, without ``sp_kpool``.)
 
 ``torchrun`` starts one process per rank and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR`` and ``MASTER_PORT``; ``init_process_group`` reads them. Every rank builds the
