@@ -14,9 +14,9 @@ against a world-size-1 call; it prints ``PASS`` or ``FAIL`` (exit 1).
 
 The process group is destroyed before the program ends (``finally:``). Left alive, gloo's
 threads are torn down at interpreter exit and the process may end with SIGABRT
-("terminate called without an active exception") after printing its result: 3 of 12
-two-rank runs of a plain ``init_process_group`` + ``all_reduce`` program without it, 0 of 12
-with it (torch 2.13, CPU). On GPUs: ``init_process_group("nccl")`` after
+("terminate called without an active exception") after printing its result: 11 of 27
+two-rank runs of a plain ``init_process_group`` + ``all_reduce`` program without it, 0 of 15
+with it (torch 2.13, CPU; benchmarks/results/cpu-2core-torch2.13/clean_exits_44.md). On GPUs: ``init_process_group("nccl")`` after
 ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))``, and the tensors on that device.
 """
 
