@@ -30,17 +30,14 @@ adapter reads attributes only). Run: ``python examples/megatron_cp.py [--world-s
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+import torch
 
-import torch  # noqa: E402
-
-from sp_kpool import kpool_topk, replay  # noqa: E402
-from sp_kpool.integrations.megatron import key_reorder, replayed_ids, sharded_sequence  # noqa: E402
-from sp_kpool.testing.dist import device_flag, run_ranks  # noqa: E402
+from sp_kpool import kpool_topk, replay
+from sp_kpool.integrations.megatron import key_reorder, replayed_ids, sharded_sequence
+from sp_kpool.testing.dist import device_flag, run_ranks
 
 SEQS = [37, 5, 64, 1, 22]  # real lengths of the packed sequences
 H, D, K, TOPK = 8, 16, 4, 16

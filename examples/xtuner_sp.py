@@ -32,16 +32,13 @@ Run: ``python examples/xtuner_sp.py [--world-size 2..4] [--device cuda] [--repla
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
+import torch
 
-import torch  # noqa: E402
-
-from sp_kpool import ShardedSequence, replay  # noqa: E402
-from sp_kpool.integrations.xtuner import kpool_topk_indices  # noqa: E402
-from sp_kpool.testing.dist import device_flag, run_ranks  # noqa: E402
+from sp_kpool import ShardedSequence, replay
+from sp_kpool.integrations.xtuner import kpool_topk_indices
+from sp_kpool.testing.dist import device_flag, run_ranks
 
 DOCS = [53, 7, 1, 75, 30]  # packed documents, odd lengths (the total is padded by the split)
 H, D, K, TOPK, ALIGN = 8, 16, 4, 16, 64

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from sp_kpool import KPoolConfig, ShardedSequence, kpool_topk, replay  # noqa: E402
+from sp_kpool import KPoolConfig, ShardedSequence, kpool_topk, replay
 
 
 def random_capture(n: int, topk: int, kpool: int, seed: int = 0) -> torch.Tensor:

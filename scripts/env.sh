@@ -4,8 +4,12 @@
 # When the Python that runs this ($PYTHON, default python3) already has a torch at least as
 # recent as pyproject.toml asks, .venv sees its packages (--system-site-packages) and pip
 # keeps that torch: nothing large is downloaded. Otherwise torch comes from the package
-# index (on Linux its default build is the CUDA one, about 5 GB installed with its nvidia-*
-# wheels); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu installs the CPU-only build.
+# index (on Linux its default build is the CUDA one: a .venv of about 5.4 GB with its
+# nvidia-* wheels), downloaded with pip's progress shown. On a terminal this asks before
+# that download (n stops, nothing downloaded); elsewhere it says so and goes on.
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu installs the CPU-only build instead:
+# that index is on download.pytorch.org, which a machine that reaches only PyPI cannot use
+# (there: install a torch wheel for $PYTHON first, and .venv reuses it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 extra=${1:-}
@@ -26,15 +30,32 @@ PY
   case "$have" in
     "" | old*)
       echo "[sp_kpool] creating .venv with $($py --version) (${have:+its torch ${have#old } is older than $min_torch; }no torch >= $min_torch to reuse)"
-      "$py" -m venv .venv
       if [ -n "${TORCH_INDEX_URL:-}" ]; then
-        echo "[sp_kpool] installing torch from $TORCH_INDEX_URL (TORCH_INDEX_URL; the CPU-only build is about 1 GB)"
-        .venv/bin/python -m pip install -q --upgrade pip
-        .venv/bin/python -m pip install -q torch --index-url "$TORCH_INDEX_URL"
+        echo "[sp_kpool] installing torch from $TORCH_INDEX_URL (TORCH_INDEX_URL; the CPU-only build is about 1 GB;" \
+             "pip shows the download)"
+        index=(--index-url "$TORCH_INDEX_URL")
       else
-        echo "[sp_kpool] torch will come from the package index: on Linux the CUDA build, about 4.5 GB installed" \
-             "(torch 1.2 GB + nvidia-* wheels 3.2 GB); for a CPU-only torch (about 1 GB) stop now and rerun with" \
-             "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu, or install torch for $py first"
+        echo "[sp_kpool] torch comes from the package index (PyPI): on Linux the CUDA build, a .venv of about 5.4 GB" \
+             "(torch and its nvidia-* wheels), several minutes of download; pip shows its progress."
+        echo "[sp_kpool] the CPU-only torch (about 1 GB) is on another index, download.pytorch.org, which a machine" \
+             "that reaches only PyPI cannot use: there, install a torch wheel for $py first and .venv reuses it;" \
+             "elsewhere: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash $0"
+        if [ -t 0 ]; then
+          read -r -p "[sp_kpool] download the CUDA build from PyPI now? [Y/n] " answer || answer=n
+          case "$answer" in
+            [nN]*) echo "[sp_kpool] stopped: nothing was downloaded"; return 1 2>/dev/null || exit 1 ;;
+          esac
+        else
+          echo "[sp_kpool] not a terminal, so not asking: downloading the CUDA build"
+        fi
+        index=()
+      fi
+      "$py" -m venv .venv
+      .venv/bin/python -m pip install -q --upgrade pip
+      if ! .venv/bin/python -m pip install "torch>=$min_torch" ${index[@]+"${index[@]}"}; then
+        rm -rf .venv  # the next run starts over (a .venv without torch would fetch the CUDA build quietly)
+        echo "[sp_kpool] installing torch failed (see pip's message above); .venv removed" >&2
+        return 1 2>/dev/null || exit 1
       fi
       ;;
     *)

@@ -19,7 +19,7 @@ from .backends import resolve_backend
 from .backends.base import Backend, Problem
 from .balance import CausalPartition, owned_work, sequence_partition
 from .checks import check_float_tensor
-from .comm import CommStats, agree_or_raise, take_rows
+from .comm import CommStats, Listed, agree_or_raise, take_rows
 from .config import KPoolConfig, RunOptions, split_keywords
 from .layouts import LAYOUTS
 from .settings import Settings, current_settings
@@ -376,18 +376,43 @@ def tensor_codes(tensors: dict) -> list[tuple]:
     return sig
 
 
+def _rows_listed(seq: ShardedSequence) -> Listed:
+    """The rows every rank owns (``seq.rank_positions``, whose digest is ``seq.layout_crc``)
+    as one list for the agreement's message: the row counts of the ranks, then each rank's
+    positions; an entry named ``positions of rank r [j]`` (or ``rows of rank r``)."""
+    world = seq.world_size
+
+    def values() -> torch.Tensor:
+        counts = torch.tensor([p.numel() for p in seq.rank_positions], dtype=torch.int64)
+        return torch.cat([counts, *(p.to(torch.int64) for p in seq.rank_positions)])
+
+    def label(first: list[int], i: int) -> str:
+        if i < world:
+            return f"the number of rows of rank {i}"
+        j = i - world
+        for r, n in enumerate(first[:world]):
+            if j < n:
+                return f"positions of rank {r} [{j}]"
+            j -= n
+        return f"rows entry {i}"
+
+    return Listed("rows", values, label)
+
+
 def _signature(q, seq, call: Call | None, tensors: dict, rows=None) -> list[tuple]:
     """Integers that must agree on every rank (checked by one small all-gather); the same
     entries, in the same order, whatever the inputs (``-1`` where a value is missing)."""
     is_seq = isinstance(seq, ShardedSequence)
     three = isinstance(q, torch.Tensor) and q.dim() == 3
     sig = tensor_codes(tensors) + [
-        ("cu_seq_lens (crc32)", zlib.crc32(seq.cu_seq_lens.numpy().tobytes()) if is_seq else -1),
+        ("cu_seq_lens (crc32)", zlib.crc32(seq.cu_seq_lens.numpy().tobytes()) if is_seq else -1,
+         Listed("cu_seq_lens", seq.cu_seq_lens if is_seq else None)),
         ("len(cu_seq_lens)", seq.cu_seq_lens.numel() if is_seq else -1),
         ("layout", LAYOUT_CODES.get(seq.layout, -2) if is_seq else -1, LAYOUT_NAMES),
-        ("rows per rank (crc32)", seq.layout_crc if is_seq else -1),
+        ("rows per rank (crc32)", seq.layout_crc if is_seq else -1, _rows_listed(seq) if is_seq else Listed("rows", None)),
         ("world_size", seq.world_size if is_seq else -1),
-        ("prompt_lens (crc32)", zlib.crc32(repr(seq.prompt_lens).encode()) if is_seq else -1),
+        ("prompt_lens (crc32)", zlib.crc32(repr(seq.prompt_lens).encode()) if is_seq else -1,
+         Listed("prompt_lens", seq.prompt_lens if is_seq else None)),
         ("q.shape[1] (H)", q.shape[1] if three else -1),
         ("q.shape[2] (D)", q.shape[2] if three else -1),
         # rows= on every rank or on none (an empty set asks for no row): the ranks must agree

@@ -11,7 +11,7 @@ import torch
 from . import op as _op
 from . import pipeline
 from .config import BALANCES, GATHERS, KPoolConfig, RunOptions, split_keywords
-from .settings import Settings, current_settings
+from .settings import Settings
 from .sharding import ShardedSequence
 
 __all__ = ["kpool_topk", "GATHERS", "BALANCES"]
@@ -153,7 +153,6 @@ def kpool_topk(
         if stats is not None:
             raise ValueError("stats: not available under torch.compile (the operator is opaque); call eagerly")
         config, options = split_keywords(config, options, keywords)
-        return _op.kpool_topk_traced(q, k, gates, head_weights, ape, seq, config, options,
-                                     settings if settings is not None else current_settings(), rows)  # fmt: skip
+        return _op.kpool_topk_traced(q, k, gates, head_weights, ape, seq, config, options, settings, rows)
     return pipeline.run(q, k, gates, head_weights, ape, seq, config, options, keywords=keywords, settings=settings,
                         stats=stats, rows=rows)

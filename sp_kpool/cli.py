@@ -9,6 +9,20 @@ import time
 
 __all__ = ["main"]
 
+#: What ``python -m sp_kpool --help`` says (plain text: the module docstring is reST).
+DESCRIPTION = ("info (backends and why), demo (a checked sharded run), parity (replay a captured indexer call in "
+               "two arms and compare).")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` for flags whose default is a value; a flag without one (its
+    default ``None``, said in its help) or a switch shows none (not ``(default: None)``)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
 
 def _int_at_least(minimum: int):
     """An argparse ``type=``: an int >= ``minimum`` (argparse names the flag, exit 2)."""
@@ -194,8 +208,14 @@ def _cmd_parity(args) -> int:
         stderr_progress,
         write_outputs,
     )
+    from .parity.report import plots_unavailable
 
     progress = None if args.quiet else stderr_progress
+    # Asked before the work, not after it: without matplotlib the JSON and text are written
+    # and the plots are skipped, said here and again after the files (exit 0).
+    no_plots = None if args.no_plots else plots_unavailable()
+    if no_plots is not None:
+        print(f"note: the two PNG plots will be skipped: {no_plots}", file=sys.stderr, flush=True)
     try:
         a, b = args.a, args.b
         with tempfile.TemporaryDirectory(prefix="sp_kpool_parity_") as tmp:
@@ -223,8 +243,10 @@ def _cmd_parity(args) -> int:
             report = replay(capture, a, b, device=args.device, repeat=not args.no_repeat, progress=progress)
         print(format_table(report))
         out = args.out or time.strftime("sp_kpool-parity-%Y%m%d-%H%M%S")
-        for p in write_outputs(report, out, plots=not args.no_plots):
+        for p in write_outputs(report, out, plots=not args.no_plots and no_plots is None):
             print(f"wrote {p}")
+        if no_plots is not None:
+            print(f"skipped the plots: {no_plots}")
         if not args.out:
             print(f"(the files are in {out}/, a new folder of the current directory: --out DIR chooses another)")
     except (ValueError, ImportError) as exc:
@@ -245,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     from .backends import backend_names
     from .settings import PRECISIONS
 
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m sp_kpool", description=DESCRIPTION)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    fmt = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}
+    fmt = {"formatter_class": _HelpFormatter}
     info = sub.add_parser("info", help="print every backend, available or not, and why", **fmt)
     info.add_argument("--heads", type=_int_at_least(1), default=64)
     info.add_argument("--head-dim", type=_int_at_least(1), default=128)
@@ -269,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "parity",
         help="replay a captured indexer call in two arms (precision[:backend]) and compare them",
         description="Recompute a capture (sp_kpool.capture) in arms A and B on identical inputs and print "
-        "a table, and write parity.json, parity.txt and two PNG plots (to --out). An arm is "
+        "a table, and write parity.json, parity.txt and two PNG plots (to --out; the plots need matplotlib, "
+        "without it they are skipped and said so). An arm is "
         "precision[:backend][+decode], precision in bf16, bf16-serving, fp8; backend defaults to auto; "
         "+decode compresses every pool in the decode order, ignoring the captured prompt lengths "
         "(fp8 vs fp8+decode: what the compression schedule changes).",

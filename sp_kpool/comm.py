@@ -43,6 +43,7 @@ logger = logging.getLogger("sp_kpool")
 
 __all__ = [
     "CommStats",
+    "Listed",
     "comm_device",
     "all_gather_rows",
     "all_gather_uneven_rows",
@@ -462,14 +463,74 @@ def _all_gather_timed(x: torch.Tensor, seq, timeout: float, what: str,
     return out
 
 
-def _describe_disagreement(entry, col: list[int]) -> str:
-    names = entry[2] if len(entry) > 2 else None  # code -> value, for the message
+class Listed:
+    """The third element of an agreement entry whose value is a digest (a crc32) of a list
+    of integers: the list itself, so that a disagreement names the first entry that differs
+    and each rank's value there, not only the digests.
+
+    ``name``: what the list is called in the message (``cu_seq_lens``); ``values``: a 1-D
+    integer tensor, a sequence of ints, ``None`` (no list), or a callable returning one of
+    these (called only when the ranks disagree); ``label(first, i)``: the name of entry
+    ``i`` given the lowest rank's list ``first`` (default ``name[i]``). The lists move in
+    one more pair of all-gathers, on the error path only."""
+
+    __slots__ = ("name", "values", "label")
+
+    def __init__(self, name: str, values, label=None) -> None:
+        self.name, self.values, self.label = name, values, label
+
+    def tensor(self) -> torch.Tensor | None:
+        v = self.values() if callable(self.values) else self.values
+        return None if v is None else torch.as_tensor(v, dtype=torch.int64).flatten().cpu()
+
+
+def _gather_listed(seq, listed: list[Listed], timeout: float) -> list[list[list[int] | None]]:
+    """For each of ``listed``, every rank's list (``None``: the rank has none): one
+    all-gather of the lengths, one of the lists padded to the longest."""
+    mine = [x.tensor() for x in listed]
+    dev = comm_device(seq)
+    lens = torch.tensor([-1 if t is None else t.numel() for t in mine], dtype=torch.int64)
+    all_lens = _all_gather_timed(lens.to(dev), seq, timeout, "agreement (the lists that differ)").cpu()
+    widths = [max(0, int(all_lens[:, j].max())) for j in range(len(listed))]
+    buf = torch.zeros(max(1, sum(widths)), dtype=torch.int64)
+    at = 0
+    for t, w in zip(mine, widths):
+        if t is not None:
+            buf[at : at + t.numel()] = t
+        at += w
+    allv = _all_gather_timed(buf.to(dev), seq, timeout, "agreement (the lists that differ)").cpu()
+    out, at = [], 0
+    for j, w in enumerate(widths):
+        n = all_lens[:, j].tolist()
+        out.append([None if n[r] < 0 else allv[r, at : at + n[r]].tolist() for r in range(seq.world_size)])
+        at += w
+    return out
+
+
+def _first_difference(listed: Listed, lists: list[list[int] | None]) -> str:
+    """``; first differing entry NAME[i]: per rank [...]`` of every rank's list (``-``: the
+    list ends before entry ``i``), or the lists themselves when some rank has none."""
+    if any(v is None for v in lists):
+        return f"; {listed.name} per rank {[v if v is None or len(v) <= 8 else f'{len(v)} entries' for v in lists]}"
+    longest = max(len(v) for v in lists)
+    i = next((i for i in range(longest) if len({v[i] if i < len(v) else None for v in lists}) > 1), None)
+    if i is None:  # same entries, the digest differs: cannot happen for lists of ints
+        return ""
+    at = listed.label(lists[0], i) if listed.label is not None else f"{listed.name}[{i}]"
+    text = f"; first differing entry {at}: per rank {[v[i] if i < len(v) else '-' for v in lists]}"
+    if len({len(v) for v in lists}) > 1:
+        text += f" (lengths per rank {[len(v) for v in lists]})"
+    return text
+
+
+def _describe_disagreement(entry, col: list[int], detail: str = "") -> str:
+    names = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else None  # code -> value, for the message
     shown = [names.get(v, v) for v in col] if names else col
     counts = {v: col.count(v) for v in col}
     reference = max(col, key=lambda v: (counts[v], -col.index(v)))  # the most common; ties: lowest rank's
     odd = [r for r, v in enumerate(col) if v != reference]
     which = f"rank {odd[0]} differs" if len(odd) == 1 else f"ranks {', '.join(map(str, odd))} differ"
-    return f"{entry[0]}: per rank {shown} ({which})"
+    return f"{entry[0]}: per rank {shown} ({which}){detail}"
 
 
 def agree_or_raise(
@@ -488,7 +549,8 @@ def agree_or_raise(
     its error (``local_error``: the exception of its checks, or its text) and a
     ``signature`` of named integers that must be equal everywhere (shapes, options, a hash
     of ``cu_seq_lens``): ``(name, value)`` or ``(name, code, {code: value})``, whose
-    message shows the values. One small all-gather carries them; only when a rank failed,
+    message shows the values, or ``(name, digest, Listed(...))``, whose message also names
+    the first entry of the list that differs and each rank's value there (:class:`Listed`). One small all-gather carries them; only when a rank failed,
     a second one carries the error texts.
 
     Then every rank raises the same exception with the same message: the type of the
@@ -534,11 +596,16 @@ def agree_or_raise(
         error_type = _ERROR_TYPES[int(allv[failed[0], 0]) - 1]
         where = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
         raise error_type(f"invalid input on {where} of {seq.world_size}:\n  " + "\n  ".join(lines)) from cause
+    differ = [(i, entry) for i, entry in enumerate(signature, start=2) if len(set(allv[:, i].tolist())) > 1]
+    # every rank has the same allv, so the same entries differ: the lists behind the digests
+    # that differ move in one more gather, on every rank alike
+    listed = [entry[2] for _, entry in differ if len(entry) > 2 and isinstance(entry[2], Listed)]
+    lists = dict(zip(map(id, listed), _gather_listed(seq, listed, timeout))) if listed else {}
     mismatched = []
-    for i, entry in enumerate(signature, start=2):
-        col = allv[:, i].tolist()
-        if any(v != col[0] for v in col):
-            mismatched.append(_describe_disagreement(entry, col))
+    for i, entry in differ:
+        extra = entry[2] if len(entry) > 2 else None
+        detail = _first_difference(extra, lists[id(extra)]) if id(extra) in lists else ""
+        mismatched.append(_describe_disagreement(entry, allv[:, i].tolist(), detail))
     if mismatched:
         raise ValueError(
             "ranks disagree on values that must be equal on every rank:\n  " + "\n  ".join(mismatched)

@@ -43,7 +43,7 @@ from typing import Any, List, NamedTuple, Optional
 import torch
 
 from .config import KPoolConfig, RunOptions, output_width
-from .settings import Settings
+from .settings import Settings, current_settings
 
 __all__ = ["SequenceArguments", "sequence_arguments", "kpool_topk_traced", "OP_NAME", "is_traced"]
 
@@ -241,21 +241,41 @@ def is_traced() -> bool:
     return bool(compiler is not None and compiler.is_compiling())
 
 
+@torch.compiler.assume_constant_result
+def _process_settings(device_type: str) -> tuple[str, int, bool, str]:
+    """What a traced call takes of the process settings (:func:`~sp_kpool.settings.current_settings`)
+    for tensors on ``device_type``: ``(precision, logits budget, check_finite, op_text)``.
+    TorchDynamo calls this when it traces and keeps the result as a constant of the graph,
+    without a guard on the settings' cache: traced through instead, the first compiled call
+    that is the process's first read of the settings fills the cache inside the trace, and
+    the guard of that trace (an empty cache) fails at the next call, which compiles a second
+    frame. The settings are read once per process, so the constant is exact."""
+    s = current_settings()
+    return s.precision, s.logits_budget(device_type), s.check_finite, s.op_text
+
+
 def kpool_topk_traced(q, k, gates, head_weights, ape, seq, config: KPoolConfig, options: RunOptions,
-                      settings: Settings, rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                      settings: Settings | None, rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """One call of ``torch.ops.sp_kpool.kpool_topk`` for :func:`sp_kpool.kpool_topk` under a
-    trace (``config`` and ``options`` already built; ``settings`` the call's; ``rows`` the
-    ``rows=`` tensor, checked inside the operator like the other inputs)."""
+    trace (``config`` and ``options`` already built; ``settings`` the call's, ``None``: the
+    process settings, read as a constant of the graph, :func:`_process_settings`; ``rows``
+    the ``rows=`` tensor, checked inside the operator like the other inputs)."""
     args = getattr(seq, "op_arguments", None)
     if not isinstance(args, SequenceArguments):
         raise TypeError(f"seq: expected a ShardedSequence, got {type(seq).__name__}")
-    config = config.resolve(settings, q.device)
-    check_finite = settings.check_finite if options.check_finite is None else options.check_finite
+    if settings is None:
+        precision, budget, default_check_finite, settings_text = _process_settings(q.device.type)
+        config = config.replace(precision=config.precision or precision,
+                                max_logits_bytes=config.max_logits_bytes or budget)  # fmt: skip
+    else:
+        config = config.resolve(settings, q.device)
+        default_check_finite, settings_text = settings.check_finite, settings.op_text
+    check_finite = default_check_finite if options.check_finite is None else options.check_finite
     return torch.ops.sp_kpool.kpool_topk(
         q, k, gates, head_weights, ape, args.documents, list(args.rank_positions), args.world_size, args.rank, args.group_name, args.layout,
         config.topk, config.kpool, config.tail, config.order, config.alignment, config.precision,
         config.max_logits_bytes, options.backend, options.gather, options.balance,
         -1 if options.balance_block is None else options.balance_block,
         -1 if options.balance_row_cost is None else options.balance_row_cost, bool(check_finite),
-        settings.op_text, rows,
+        settings_text, rows,
     )  # fmt: skip

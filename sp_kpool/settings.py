@@ -1,6 +1,7 @@
 """Process settings: the one place that reads the environment.
 
-Every ``SP_KPOOL_*`` variable is read here, once per process (at the first call that needs
+Every ``SP_KPOOL_*`` variable (and ``CUDA_HOME`` / ``CUDA_PATH``, ``XDG_CACHE_HOME``) is read
+here, once per process (at the first call that needs
 the settings), into a frozen :class:`Settings` that the operator passes down explicitly;
 no other module reads ``os.environ``. Workers must be restarted to change a value, and the
 ranks of one job must see the same values (the operator checks the resolved precision and
@@ -35,6 +36,11 @@ variable                       meaning                                          
                                score with the CUDA scorer
                                (``kernels/cuda_fp8_mqa.cu``; same bits;
                                experimental, not yet run on a GPU)
+``CUDA_HOME``                  the CUDA toolkit whose ``bin/nvcc`` builds the   ``PATH``
+                               CUDA scorer (else ``CUDA_PATH``, else ``nvcc``
+                               on ``PATH``, else ``/usr/local/cuda``)
+``SP_KPOOL_CACHE_DIR``         where built kernels are cached (else             ``~/.cache/
+                               ``$XDG_CACHE_HOME/sp_kpool``)                    sp_kpool``
 =============================  ==============================================  ===========
 
 A variable that cannot be read does not make one rank raise alone: the process settings
@@ -53,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 __all__ = ["Settings", "current_settings", "PRECISIONS", "ENV"]
@@ -75,6 +82,14 @@ ENV = {
     "fused": "SP_KPOOL_FUSED",
     "comm_log_interval": "SP_KPOOL_COMM_LOG_INTERVAL",
     "cuda_scorer": "SP_KPOOL_CUDA_SCORER",
+    "cuda_home": "CUDA_HOME",
+    "cache_dir": "SP_KPOOL_CACHE_DIR",
+}
+
+#: setting name -> (the variable read when its own is unset, how its text becomes the value)
+FALLBACK_ENV = {
+    "cuda_home": ("CUDA_PATH", lambda raw: raw),
+    "cache_dir": ("XDG_CACHE_HOME", lambda raw: os.path.join(raw, "sp_kpool")),
 }
 
 #: Seconds a rank waits in the agreement (the first collective of every call) for the
@@ -119,6 +134,11 @@ class Settings:
         dense chunks with :mod:`sp_kpool.kernels.cuda_fp8_mqa` instead of DeepGEMM / the
         Triton kernel (``SP_KPOOL_CUDA_SCORER=1``): the same arithmetic, so the same bits
         and ids; experimental (written without a GPU; see that module).
+    cuda_home: the CUDA toolkit whose ``bin/nvcc`` builds the CUDA scorer (``CUDA_HOME``,
+        else ``CUDA_PATH``), or ``None``: ``nvcc`` on ``PATH``, else ``/usr/local/cuda``.
+    cache_dir: the folder of built kernels (``SP_KPOOL_CACHE_DIR``, else
+        ``$XDG_CACHE_HOME/sp_kpool``), or ``None``: ``~/.cache/sp_kpool``
+        (:meth:`cache_path` resolves it).
     env_error: the error of a variable that :func:`current_settings` could not read
         (raised by the operator inside its agreement, on every rank alike), or ``None``.
     """
@@ -135,6 +155,8 @@ class Settings:
     fused: bool = False
     comm_log_interval: float = DEFAULT_COMM_LOG_INTERVAL
     cuda_scorer: bool = False
+    cuda_home: str | None = None
+    cache_dir: str | None = None
     env_error: str | None = None
 
     def __post_init__(self):
@@ -181,6 +203,12 @@ class Settings:
         values, errors = {}, []
         for name, parse in _PARSERS.items():
             raw = env.get(ENV[name], "").strip()
+            if not raw and name in FALLBACK_ENV:
+                var, derive = FALLBACK_ENV[name]
+                fallback = env.get(var, "").strip()
+                if fallback:
+                    values[name] = derive(fallback)
+                continue
             if not raw:
                 continue
             try:
@@ -208,14 +236,28 @@ class Settings:
         is_cuda = device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda"
         return DEFAULT_MAX_LOGITS_BYTES_CUDA if is_cuda else DEFAULT_MAX_LOGITS_BYTES
 
+    def cache_path(self) -> Path:
+        """The folder of built kernels: :attr:`cache_dir`, else ``~/.cache/sp_kpool``."""
+        return Path(self.cache_dir) if self.cache_dir is not None else Path.home() / ".cache" / "sp_kpool"
+
     def describe(self) -> list[tuple[str, str, str]]:
-        """``(variable, effective value, source)`` rows for ``python -m sp_kpool info``."""
+        """``(variable, effective value, source)`` rows for ``python -m sp_kpool info``. A
+        variable that could not be read (:attr:`env_error`) shows ``invalid`` and its error
+        (the operator raises it on every call), not the default that stands in for it."""
+        invalid = {part.split(": ", 1)[0]: part.split(": ", 1)[-1] for part in (self.env_error or "").split("; ") if part}
         rows = []
         for name, var in ENV.items():
+            if var in invalid:
+                rows.append((var, "invalid", f"{invalid[var]} (every operator call raises this)"))
+                continue
             value = getattr(self, name)
             shown = _show(value)
             if name == "max_logits_bytes" and value is None:
                 shown = f"{DEFAULT_MAX_LOGITS_BYTES_CUDA} on CUDA, {DEFAULT_MAX_LOGITS_BYTES} elsewhere"
+            elif name == "cache_dir" and value is None:
+                shown = str(self.cache_path())
+            elif name == "cuda_home" and value is None:
+                shown = "- (nvcc on PATH, else /usr/local/cuda)"
             rows.append((var, shown, "default" if value == getattr(Settings, name) else "set"))
         return rows
 
@@ -271,6 +313,8 @@ _PARSERS = {
     "fused": _flag,
     "comm_log_interval": _seconds,
     "cuda_scorer": _flag,
+    "cuda_home": _text,
+    "cache_dir": _text,
 }
 
 

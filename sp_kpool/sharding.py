@@ -488,7 +488,7 @@ class ShardedSequence:
             a world-size-1 call on the same documents).
         """
         from .agreement import tensor_codes
-        from .comm import agree_or_raise, gather_keys
+        from .comm import Listed, agree_or_raise, gather_keys
         from .settings import current_settings
 
         error = None
@@ -499,7 +499,8 @@ class ShardedSequence:
                                f"{self.rank}/{self.world_size}), got {list(rows.shape)}")  # fmt: skip
         ok = isinstance(rows, torch.Tensor) and rows.dim() >= 1
         trailing = zlib.crc32(repr(list(rows.shape[1:])).encode()) if ok else -1
-        signature = tensor_codes({"rows": rows}) + [("rows.shape[1:] (crc32)", trailing)]
+        shape = Listed("rows.shape[1:]", list(rows.shape[1:]) if ok else None)
+        signature = tensor_codes({"rows": rows}) + [("rows.shape[1:] (crc32)", trailing, shape)]
         if timeout is None:
             timeout = current_settings().comm_timeout
         if self.world_size == 1 and self.group is None:

@@ -14,8 +14,10 @@ BF16) bit for bit and ``scripts/bench_cuda_scorer.py`` times it, on a Hopper GPU
 against DeepGEMM's template compiled the same way.
 
 Build: at the first :func:`score` call of a process, with the host's ``nvcc``
-(``$CUDA_HOME/bin/nvcc``, else ``nvcc`` on ``PATH``, else ``/usr/local/cuda/bin/nvcc``) into
-``$XDG_CACHE_HOME/sp_kpool/cuda`` (default ``~/.cache/sp_kpool/cuda``), named by a hash of
+(``Settings.cuda_home``'s ``bin/nvcc``, from ``CUDA_HOME`` or ``CUDA_PATH``, else ``nvcc`` on
+``PATH``, else ``/usr/local/cuda/bin/nvcc``) into ``Settings.cache_path() / "cuda"``
+(``SP_KPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/sp_kpool``, default ``~/.cache/sp_kpool``:
+:mod:`sp_kpool.settings` reads the environment, this module does not), named by a hash of
 the source, the flags and the compiler's version, so a changed source or compiler builds
 again and a built library is reused by later processes. Loaded with :mod:`ctypes`.
 """
@@ -35,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from ..settings import Settings, current_settings
+
 __all__ = ["score", "nvcc", "compile_command", "build", "SOURCE", "HEADS", "MODES", "DTYPES"]
 
 #: The kernel's source (package data).
@@ -50,11 +54,16 @@ ARCH = "-gencode=arch=compute_90a,code=sm_90a"
 FLAGS = ("-std=c++17", "-O3", ARCH)
 
 
-@functools.lru_cache(maxsize=1)
-def nvcc() -> str | None:
-    """The path of the ``nvcc`` used to build the kernel, or ``None`` when none is found
-    (looked up once per process: the backends ask on every call)."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+def nvcc(settings: Settings | None = None) -> str | None:
+    """The path of the ``nvcc`` used to build the kernel, or ``None`` when none is found:
+    ``settings.cuda_home``'s (default: the process settings) ``bin/nvcc``, else ``nvcc`` on
+    ``PATH``, else ``/usr/local/cuda/bin/nvcc`` (looked up once per process and toolkit: the
+    backends ask on every call)."""
+    return _find_nvcc((settings or current_settings()).cuda_home)
+
+
+@functools.lru_cache(maxsize=4)
+def _find_nvcc(home: str | None) -> str | None:
     for cand in ([os.path.join(home, "bin", "nvcc")] if home else []) + [shutil.which("nvcc") or "",
                                                                            "/usr/local/cuda/bin/nvcc"]:  # fmt: skip
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
@@ -73,21 +82,18 @@ def compile_command(compiler: str, output: str, *, ptx: bool = False, verbose: b
     return [compiler, *FLAGS, *kind, *extra, str(SOURCE), "-o", output]
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sp_kpool" / "cuda"
-
-
-def build(compiler: str | None = None, *, debug: bool = False) -> Path:
+def build(compiler: str | None = None, *, debug: bool = False, settings: Settings | None = None) -> Path:
     """The path of the built library (``debug``: with ``KPOOL_DEBUG``), building it first
-    when the cache has none for this source, these flags and this compiler. Raises
-    ``RuntimeError`` naming the reason (no ``nvcc``, or the compiler's own message)."""
-    compiler = compiler or nvcc()
+    when the cache (``settings.cache_path() / "cuda"``; default: the process settings) has
+    none for this source, these flags and this compiler. Raises ``RuntimeError`` naming
+    the reason (no ``nvcc``, or the compiler's own message)."""
+    settings = settings or current_settings()
+    compiler = compiler or nvcc(settings)
     if compiler is None:
         raise RuntimeError("cuda_fp8_mqa: no nvcc found (set CUDA_HOME, or put nvcc on PATH)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, debug, version)).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"cuda_fp8_mqa{'-debug' if debug else ''}-{key}.so"
+    lib = settings.cache_path() / "cuda" / f"cuda_fp8_mqa{'-debug' if debug else ''}-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "write_outputs", "replay_table", "write_replay_outputs"]
+__all__ = ["format_table", "write_outputs", "replay_table", "write_replay_outputs", "plots_unavailable"]
+
+#: What the plots need, said when it is missing.
+_MATPLOTLIB_HINT = "pip install matplotlib, or 'sp-kpool[test]'"
+
+
+def plots_unavailable() -> str | None:
+    """Why the PNG plots cannot be drawn here (matplotlib does not import), or ``None``.
+
+    Asked before the work starts, so that a run without matplotlib writes its JSON and
+    text and says the plots were skipped instead of failing after the work is done."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return f"matplotlib is not importable ({exc}); {_MATPLOTLIB_HINT}"
+    return None
 
 
 def _g(x: Any) -> str:
@@ -158,7 +173,7 @@ def _plots(report: dict[str, Any], out: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("the parity plots need matplotlib (pip install 'sp-kpool[test]' or matplotlib)") from None
+        raise ImportError(f"the parity plots need matplotlib ({_MATPLOTLIB_HINT})") from None
     arms = report["arms"]
     title = f"A = {arms['A']['arm']} ({arms['A']['backend']}) vs B = {arms['B']['arm']} ({arms['B']['backend']})"
     pq = report["per_query"]

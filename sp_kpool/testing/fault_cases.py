@@ -87,6 +87,16 @@ def _seq(build):
     return mutate
 
 
+def _other_rows(total: int, world_size: int) -> list[list[int]]:
+    """Contiguous rows as ``split`` gives them to ``world_size`` ranks, but one row of rank 0
+    moved to rank 1 (the last rank keeps its local row count when ``total`` leaves it one
+    row short of the others)."""
+    size = -(-total // world_size)
+    rows = [list(range(r * size, min(total, (r + 1) * size))) for r in range(world_size)]
+    rows[1].insert(0, rows[0].pop())
+    return rows
+
+
 def _nan(name, row=2):
     def mutate(call):
         t = call["args"][name]
@@ -115,6 +125,9 @@ AGREED_FAULTS: dict[str, tuple[Callable, str]] = {
         _seq(lambda c: ShardedSequence.split(c["cu"], world_size=c["ws"] + 1, rank=c["rank"])), "seq.world_size: expected"),
     "seq other documents": (_seq(lambda c: ShardedSequence.split([0, 20, 29], world_size=c["ws"], rank=c["rank"])),
                             "cu_seq_lens (crc32): per rank"),
+    # the same local row count on the last rank (a valid call), other rows: rank 0 one fewer
+    "seq other rows": (_seq(lambda c: ShardedSequence.from_rank_positions(
+        c["cu"], _other_rows(int(c["cu"][-1]), c["ws"]), rank=c["rank"])), "rows per rank (crc32): per rank"),
     "seq prompt_lens": (_seq(lambda c: ShardedSequence.split(c["cu"], world_size=c["ws"], rank=c["rank"],
                                                              prompt_lens=[8, 0])), "prompt_lens (crc32): per rank"),
     # tensors: dtype, device type, shape, type

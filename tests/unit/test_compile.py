@@ -110,6 +110,30 @@ def test_kpool_topk_keyword_form_compiles_fullgraph():
     assert counter.frame_count <= 2  # the first call's graph(s) only, no recompilation
 
 
+def test_first_compiled_call_that_first_reads_the_settings_compiles_one_frame():
+    """The keyword form reads the process settings when none are passed; when the first
+    compiled call is the process's first read, the read must not leave a guard that the
+    next call fails (a guard on the settings' cache compiled a second frame)."""
+    from sp_kpool.settings import current_settings
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def f(q, k, gates, head_weights, ape, seq):
+        return sp_kpool.kpool_topk(q, k, gates, head_weights, ape, seq, topk=8)
+
+    calls = []
+    for docs in ([30, 17], [9, 80, 4], [5, 60]):
+        x = make_inputs(docs, heads=H, head_dim=D, kpool=4, seed=len(docs))
+        seq = ShardedSequence.split(x.cu_seq_lens, 1, 0)
+        calls.append((shard_inputs(x, seq), seq))
+    current_settings.cache_clear()  # the first compiled call is the first read of this process
+    for a, seq in calls:
+        got = f(a["q"], a["k"], a["gates"], a["head_weights"], a["ape"], seq)
+        assert torch.equal(got, sp_kpool.kpool_topk(**a, seq=seq, topk=8))
+    assert counter.frame_count == 1, counter.frame_count
+
+
 def test_stats_are_eager_only():
     x = make_inputs([20], heads=H, head_dim=D, kpool=4)
     seq = ShardedSequence.split(x.cu_seq_lens, 1, 0)

@@ -40,6 +40,7 @@ import pytest
 import torch
 
 from sp_kpool.kernels import cuda_fp8_mqa as m
+from sp_kpool.settings import Settings
 
 pytestmark = pytest.mark.xdist_group("nvcc")  # one worker compiles, the others run other tests
 
@@ -386,12 +387,13 @@ def test_machine_code_has_deepgemms_operations_and_no_local_memory(deepgemm_sour
 
 
 @needs_nvcc
-def test_library_is_built_once_and_reports_an_unknown_variant(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    lib = m.build()
+def test_library_is_built_once_and_reports_an_unknown_variant(tmp_path):
+    # the cache folder as the settings read it from XDG_CACHE_HOME (this module reads no variable)
+    settings = Settings.from_env({"XDG_CACHE_HOME": str(tmp_path)})
+    lib = m.build(settings=settings)
     assert lib.parent == tmp_path / "sp_kpool" / "cuda" and lib.is_file()
     stamp = lib.stat().st_mtime_ns
-    assert m.build() == lib and lib.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert m.build(settings=settings) == lib and lib.stat().st_mtime_ns == stamp  # reused, not rebuilt
     dll = ctypes.CDLL(str(lib))
     err = ctypes.create_string_buffer(256)
     rc = dll.kpool_fp8_mqa(48, 1, 0, 0, None, None, ctypes.c_longlong(128), None, None, None, None, None,
@@ -399,8 +401,27 @@ def test_library_is_built_once_and_reports_an_unknown_variant(tmp_path, monkeypa
     assert rc == 1 and err.value.startswith(b"no variant for heads 48, nqb 1, mode 0, dtype 0"), err.value
 
 
+def test_toolkit_and_cache_folder_come_from_the_settings(tmp_path):
+    """CUDA_HOME (else CUDA_PATH) and the cache folder (SP_KPOOL_CACHE_DIR, else
+    XDG_CACHE_HOME/sp_kpool, else ~/.cache/sp_kpool) are read by Settings, and the build
+    takes them from there."""
+    fake = tmp_path / "toolkit" / "bin" / "nvcc"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    home = str(tmp_path / "toolkit")
+    assert Settings.from_env({"CUDA_HOME": home, "CUDA_PATH": "/elsewhere"}).cuda_home == home
+    assert Settings.from_env({"CUDA_PATH": home}).cuda_home == home
+    assert m.nvcc(Settings(cuda_home=home)) == str(fake)
+    assert Settings.from_env({"XDG_CACHE_HOME": "/x"}).cache_path() == Path("/x/sp_kpool")
+    assert Settings.from_env({"XDG_CACHE_HOME": "/x", "SP_KPOOL_CACHE_DIR": "/y"}).cache_path() == Path("/y")
+    assert Settings.from_env({}).cache_path() == Path.home() / ".cache" / "sp_kpool"
+    rows = {var: (value, source) for var, value, source in Settings.from_env({"CUDA_PATH": home}).describe()}
+    assert rows["CUDA_HOME"] == (home, "set") and rows["SP_KPOOL_CACHE_DIR"][1] == "default"
+
+
 def test_build_without_nvcc_names_it(monkeypatch):
-    monkeypatch.setattr(m, "nvcc", lambda: None)
+    monkeypatch.setattr(m, "nvcc", lambda settings=None: None)
     with pytest.raises(RuntimeError, match="no nvcc found"):
         m.build()
 

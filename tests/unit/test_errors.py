@@ -194,6 +194,27 @@ def test_settings_keep_an_unreadable_variable_for_the_agreement():
     assert rows["SP_KPOOL_COMM_TIMEOUT"] == "600.0" and rows["SP_KPOOL_CHECK_FINITE"] == "0"
 
 
+def test_info_says_a_variable_is_invalid_not_its_default(monkeypatch, capsys):
+    """``info`` lists SP_KPOOL_COMM_TIMEOUT=10s as invalid with its error (every operator
+    call raises it), not as the default that stands in for it."""
+    from sp_kpool.cli import main
+    from sp_kpool.settings import Settings, current_settings
+
+    s = Settings.from_env({"SP_KPOOL_COMM_TIMEOUT": "10s", "SP_KPOOL_PRECISION": "fp8"}, strict=False)
+    rows = {var: (value, source) for var, value, source in s.describe()}
+    assert rows["SP_KPOOL_COMM_TIMEOUT"] == (
+        "invalid", "expected a positive number of seconds, got '10s' (every operator call raises this)")
+    assert rows["SP_KPOOL_PRECISION"] == ("fp8", "set") and rows["SP_KPOOL_FUSED"] == ("0", "default")
+    monkeypatch.setenv("SP_KPOOL_COMM_TIMEOUT", "10s")
+    current_settings.cache_clear()
+    try:
+        assert main(["info"]) == 0
+    finally:
+        current_settings.cache_clear()  # the next test reads the environment without the bad value
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("SP_KPOOL_COMM_TIMEOUT"))
+    assert "invalid" in line and "got '10s'" in line and "600" not in line and "default" not in line, line
+
+
 def test_indexer_validates_options_and_capture_dir_at_construction(tmp_path):
     kw = dict(hidden_size=8, q_lora_rank=4, index_n_heads=2, index_head_dim=4, index_topk=8)
     for bad, text in ((dict(backend="nope"), "backend: expected one of"), (dict(tail="nope"), "tail: expected one of"),

@@ -66,6 +66,19 @@ def test_the_faulty_rank_is_named_with_its_value(agreed_two_ranks):
     assert agreed_two_ranks[0]["q numpy"][0] == "TypeError"  # as at world size 1
 
 
+def test_a_list_that_differs_is_named_at_its_first_differing_entry(agreed_two_ranks):
+    # not only the digests: the first entry of cu_seq_lens / the rows / prompt_lens that
+    # differs, and each rank's value there (LENGTHS [23, 6]; the last rank passes [20, 9])
+    message = agreed_two_ranks[0]["seq other documents"][1]
+    assert "cu_seq_lens (crc32): per rank [" in message
+    assert "(rank 1 differs); first differing entry cu_seq_lens[1]: per rank [23, 20]" in message, message
+    message = agreed_two_ranks[0]["seq other rows"][1]  # 29 rows: [0, 15) and [15, 29), vs [0, 14) and [14, 29)
+    assert "rows per rank (crc32): per rank [" in message
+    assert "first differing entry the number of rows of rank 0: per rank [15, 14]" in message, message
+    message = agreed_two_ranks[0]["seq prompt_lens"][1]
+    assert "(rank 1 differs); prompt_lens per rank [None, [8, 0]]" in message, message
+
+
 def test_integer_like_values_give_the_plain_rows(agreed_two_ranks):
     x = make_inputs(LENGTHS, heads=8, head_dim=16, kpool=4, seed=3)
     seq1 = ShardedSequence.split(x.cu_seq_lens, world_size=1, rank=0)

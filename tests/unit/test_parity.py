@@ -543,6 +543,26 @@ def test_cli_default_folder_and_a_capture_without_choice(tmp_path, monkeypatch, 
     assert f"the files are in {folders[0].name}/" in out
 
 
+def test_cli_without_matplotlib_writes_the_files_skips_the_plots_and_exits_0(tmp_path, monkeypatch, capsys):
+    """matplotlib missing (simulated: ``import matplotlib`` raises ImportError) is found before
+    the work: the JSON and text are written, the skipped plots are said, and the exit is 0."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    out_dir = tmp_path / "cli"
+    argv = ["parity", "--synthetic", "--quiet", "--device", "cpu", "--out", str(out_dir), "--tokens", "40",
+            "--hidden-size", str(HIDDEN), "--q-lora-rank", str(Q_LORA), "--heads", str(H), "--head-dim", str(D),
+            "--topk", str(T), "--a", "bf16", "--b", "bf16"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "note: the two PNG plots will be skipped: matplotlib is not importable" in captured.err
+    assert "skipped the plots: matplotlib is not importable" in captured.out
+    assert "pip install matplotlib" in captured.out
+    assert (out_dir / "parity.json").is_file() and (out_dir / "parity.txt").is_file()
+    assert not list(out_dir.glob("*.png"))
+
+
 def test_cli_help_shows_defaults(capsys):
     for cmd in ("demo", "parity"):
         with pytest.raises(SystemExit):
@@ -550,6 +570,20 @@ def test_cli_help_shows_defaults(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert "(default: 0)" in text  # --seed
         assert ("(default: fp8)" in text) if cmd == "parity" else ("(default: 4099)" in text)
+
+
+def test_cli_help_is_plain_text_and_shows_no_empty_default(capsys):
+    """No reST markup (the module docstring's ``literals``) and no ``(default: None)`` for a
+    flag whose default is said in its help (``--out``: a new folder)."""
+    for argv in (["--help"], ["info", "--help"], ["demo", "--help"], ["parity", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        assert "``" not in text and "(default: None)" not in text and "(default: False)" not in text, (argv, text)
+        if argv == ["--help"]:
+            assert "info (backends and why), demo (a checked sharded run)" in text
+        if argv[0] == "parity":
+            assert "default: a new folder sp_kpool-parity-DATE-TIME" in text and "(default: fp8)" in text
 
 
 def _rewritten(path, tmp_path, name, edit):

@@ -139,3 +139,4 @@ def test_global_rows_disagreement_raises_on_every_rank():
     assert set(info.value.errors) == {0, 1}
     for text in info.value.errors.values():
         assert "rows.shape[1:] (crc32)" in text and "ranks disagree" in text
+        assert "first differing entry rows.shape[1:][0]: per rank [3, 4]" in text, text
