@@ -298,8 +298,7 @@ class KPoolIndexer(nn.Module):
         ids of the same shape. ``coeff``, ``normalize``, ``determinism``: as
         :func:`sp_kpool.indexer_kl_loss`. The projections are recomputed from the forward's
         detached inputs in the ``bf16`` model arithmetic, with gradients to the parameters
-        only; each row is scored where it lives (the module's ``balance`` applies to its
-        selection only). Returns this rank's share (``[]``, FP32, float64 for a float64
+        only, with the module's ``gather`` and ``balance``. Returns this rank's share (``[]``, FP32, float64 for a float64
         module).
 
         Under ``torch.compile`` the loss is a graph break (it runs eagerly: its collectives
@@ -360,4 +359,4 @@ def _kl_loss(module: KPoolIndexer, teacher, selection, coeff, normalize, determi
     config = module.config.replace(precision="bf16")
     return indexer_kl_loss(**prepared, seq=seq, teacher=teacher, selection=ids if selection is None else selection,
                            coeff=coeff, normalize=normalize, determinism=determinism, config=config,
-                           options=module.options.replace(balance="none"), settings=module.settings)  # fmt: skip
+                           options=module.options, settings=module.settings)  # fmt: skip

@@ -42,8 +42,11 @@ def loss_and_grads(x, teacher_rows, seq, *, sparse: bool, teacher_kind: str, top
         teacher = sp_kpool.TokenMass(seq.local_rows(mass_global))
     else:
         teacher = sp_kpool.AttentionTeacher(seq.local_rows(qt), kt, seq.local_rows(lse), 0.5)
-    loss = sp_kpool.indexer_kl_loss(*leaves, seq, teacher=teacher, selection=selection, topk=topk, kpool=K, **kw)
+    stats = {}
+    loss = sp_kpool.indexer_kl_loss(*leaves, seq, teacher=teacher, selection=selection, topk=topk, kpool=K, stats=stats,
+                                    **kw)  # fmt: skip
     grads = torch.autograd.grad(loss, leaves)
+    loss_and_grads.stats = stats
     return loss.detach(), grads, selection
 
 
@@ -75,6 +78,7 @@ def compare_with_world1(rank, world_size, lengths, layout, kw, sparse, teacher_k
                                **kw)  # fmt: skip
     lw2, gw2, _ = loss_and_grads(x, teacher, seq, sparse=sparse, teacher_kind=teacher_kind, topk=topk,
                                  mass_global=mass, **kw)  # fmt: skip
+    balanced = loss_and_grads.stats["balance_applied"]
     repeat = bool(torch.equal(lw, lw2)) and all(torch.equal(a, b) for a, b in zip(gw, gw2))
     losses = [torch.zeros_like(lw.reshape(1)) for _ in range(world_size)]
     dist.all_gather(losses, lw.reshape(1).contiguous())
@@ -82,7 +86,7 @@ def compare_with_world1(rank, world_size, lengths, layout, kw, sparse, teacher_k
     dist.all_gather(apes, gw[4].contiguous())
     total_loss = sum(losses[1:], losses[0])[0]
     out = {"loss": (float(total_loss), float(l1)), "loss_bitwise": bool(torch.equal(total_loss, l1)), "grads": {},
-           "repeat_bitwise": repeat}  # fmt: skip
+           "repeat_bitwise": repeat, "balance_applied": balanced}  # fmt: skip
     pad = seq.padding_rows
     out["padding_zero"] = all(bool((gw[i][pad] == 0).all()) for i in range(4))
     for i, name in enumerate(NAMES):

@@ -35,6 +35,7 @@ from ..sharding import ShardedSequence
 from . import fixed_point as fx
 from .pools import gather_pools_for_training, pool_block_grads, pool_grads_to_owners, token_grads_to_owners
 from .rows import RowTables, SparseCandidates, row_tables, sparse_candidates
+from .balance import to_computers, to_owners, training_partition
 from .student import dense_chunk, dense_row_terms, sparse_chunk
 from .teachers import AttentionTeacher, TokenMass
 
@@ -64,11 +65,17 @@ class _Plan:
     mass: torch.Tensor | None  # TokenMass: [n, slots]
     chunk: int
     block: int
+    budget: int
     coeff: float
     norm: int
     normalize: str
     exact: bool
     ct: torch.dtype
+    partition: Any = None  # balance="causal": the applied partition (None: rows computed where they live)
+
+    @property
+    def ranges(self) -> list[tuple[int, int]] | None:
+        return self.partition.ranges if self.partition is not None else None
 
 
 def _compute_dtype(*tensors) -> torch.dtype:
@@ -112,9 +119,6 @@ def _plan(q, k, gates, head_weights, ape, seq, teacher, selection, coeff, normal
     if options.backend not in ("torch", "auto"):
         raise ValueError(f"backend: the training path runs on torch operations (expected 'torch' or 'auto'), "
                          f"got {options.backend!r}")  # fmt: skip
-    if options.balance != "none":
-        raise ValueError(f"balance: the training path scores each row where it lives (expected 'none'), "
-                         f"got {options.balance!r}")  # fmt: skip
     check_float_tensor("q", q, (seq.shard_size, None, None), why="rows: seq.shard_size")
     S, H, D = q.shape
     dev = q.device
@@ -168,8 +172,15 @@ def _plan(q, k, gates, head_weights, ape, seq, teacher, selection, coeff, normal
         norm = tables.rows_with_pool
     else:
         norm = int((tables.pos[rows] >= K - 1).sum())
+    partition = None
+    if options.balance == "causal" and seq.world_size > 1:
+        if normalize == "local_rows":
+            raise ValueError("balance: 'causal' computes other ranks' rows, and normalize='local_rows' divides by "
+                             "this rank's own: use normalize='global_rows' or balance='none'")  # fmt: skip
+        part = training_partition(seq, tables, chunk, dense, slots)
+        partition = part if part.applied else None
     return _Plan(seq, config, options, settings.comm_timeout, teacher, tables, rows, storage, dense, cand, mass,
-                 chunk, block, float(coeff), norm, normalize, determinism == "exact", ct)  # fmt: skip
+                 chunk, block, budget, float(coeff), norm, normalize, determinism == "exact", ct, partition)  # fmt: skip
 
 
 def _signature(plan: _Plan | None, tensors: dict, teacher, selection, normalize, determinism, coeff) -> list:
@@ -184,7 +195,8 @@ def _signature(plan: _Plan | None, tensors: dict, teacher, selection, normalize,
         ("coeff (crc32)", crc(coeff)),
     ]
     if plan is None:
-        return sig + [(n, -1) for n in ("config (crc32)", "gather (crc32)", "chunk rows", "teacher heads", "cu_seq_lens (crc32)")]
+        return sig + [(n, -1) for n in ("config (crc32)", "gather (crc32)", "chunk rows", "teacher heads", "cu_seq_lens (crc32)",
+                                        "balance partition (crc32)")]
     t = plan.teacher
     return sig + [
         ("config (crc32)", crc(plan.config.signature())),
@@ -192,6 +204,7 @@ def _signature(plan: _Plan | None, tensors: dict, teacher, selection, normalize,
         ("chunk rows", plan.chunk),
         ("teacher heads", t.q.shape[1] if isinstance(t, AttentionTeacher) else 0),
         ("cu_seq_lens (crc32)", zlib.crc32(plan.seq.cu_seq_lens.numpy().tobytes())),
+        ("balance partition (crc32)", crc(plan.partition.bounds) if plan.partition is not None else 0),
     ]
 
 
@@ -211,6 +224,7 @@ def indexer_kl_loss(
     config: KPoolConfig | None = None,
     options: RunOptions | None = None,
     settings: Settings | None = None,
+    stats: dict | None = None,
     **keywords,
 ) -> torch.Tensor:
     """This rank's share of the indexer's KL loss (``docs/contract.md`` section 13).
@@ -252,8 +266,12 @@ def indexer_kl_loss(
 
     ``config``/``options``/keywords as :func:`sp_kpool.kpool_topk` (``topk``, ``kpool``,
     ``alignment``, ``max_logits_bytes``, ``gather``); ``precision`` ``None`` or ``"bf16"``,
-    ``balance="none"``. Memory: chunks of rows under ``max_logits_bytes``, never
-    ``[S_local, P]`` scores; the dense teacher streams over blocks of pools.
+    ``balance="none"`` or ``"causal"`` (the rows move to the ranks that compute them, their
+    gradients come back; the same bits; declined on every rank alike when it would not
+    lower the largest rank's work; not with ``normalize="local_rows"``). Memory: chunks of
+    rows under ``max_logits_bytes``, never ``[S_local, P]`` scores; the dense teacher
+    streams over blocks of pools. ``stats``: a dict filled with this rank's view:
+    ``chunk_rows`` (of the global grid), ``balance_applied`` and ``rows_computed``.
 
     A collective over ``seq.group``: every rank calls it. Bad input on any rank raises the
     same ``ValueError``/``TypeError`` on every rank, naming the argument.
@@ -266,7 +284,12 @@ def indexer_kl_loss(
     except (ValueError, TypeError) as e:
         error = e
     signature = _signature(plan, tensors, teacher, selection, normalize, determinism, coeff)
+    if stats is not None and not isinstance(stats, dict) and error is None:
+        error = TypeError(f"stats: expected a dict or None, got {type(stats).__name__}")
     _agree(seq, error, signature, settings if isinstance(settings, Settings) else None, None)
+    if stats is not None:
+        computed = plan.ranges[seq.rank] if plan.ranges is not None else int(plan.rows.numel())
+        stats.update(chunk_rows=plan.chunk, balance_applied=plan.partition is not None, rows_computed=computed)
     return _KLLoss.apply(plan, q, k, gates, head_weights, ape)
 
 
@@ -312,10 +335,9 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
     pools, owned = gather_pools_for_training(k.detach(), gates.detach(), ape.detach(), seq, tables.pool_tok_start,
                                              plan.options.gather, timeout=plan.timeout)  # fmt: skip
     keys_ct = pools.to(ct)
-    storage = to_device(plan.storage, dev)
-    qr = q.detach().index_select(0, storage).to(ct)
-    wr = head_weights.detach().index_select(0, storage).to(ct)
-    n = plan.rows.numel()
+    rows, data = _row_data(plan, q, head_weights)
+    qr, wr = data["q"], data["w"]
+    n = rows.numel()
     scale = plan.coeff / max(plan.norm, 1)
     e_pool = 0
     if grads and plan.exact:
@@ -327,26 +349,26 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
     dq = torch.zeros((n, H, D), dtype=ct, device=dev) if grads else None
     dw = torch.zeros((n, H), dtype=ct, device=dev) if grads else None
     teacher, pts = plan.teacher, tables.pool_tok_start
-    for c, part in _chunks(plan.rows, C):
+    for c, part in _chunks(rows, C):
         base = c * C
-        off = plan.rows[part] - base
+        off = rows[part] - base
         off_d = to_device(off, dev)
         Qc, Wc = _place(qr[part], off_d, C), _place(wr[part], off_d, C)
         if not plan.dense:
             cand = torch.full((C, slots), -1, dtype=torch.int64)
-            cand[off] = plan.cand.pools[part]
+            cand[off] = data["cand"][part].cpu()
             valid = to_device(cand >= 0, dev)
             keys = keys_ct.index_select(0, to_device(cand.clamp(min=0).reshape(-1), dev)).view(C, slots, D)
             if isinstance(teacher, TokenMass):
-                mass = _place(to_device(plan.mass[part], dev), off_d, C)
+                mass = _place(data["mass"][part], off_d, C)
             else:
-                qt, lt = teacher.rows(plan.storage[part], off, C)
+                qt, lt = _place(data["tq"][part], off_d, C), _place(data["tlse"][part], off_d, C)
                 tokens = pts[cand.clamp(min=0)][:, :, None] + torch.arange(K)
-                mass = teacher.sparse_mass(qt, lt, tokens.reshape(C, -1), K)
+                mass = teacher.sparse_mass(qt, lt, tokens.reshape(C, -1), K).to(ct)
             out = sparse_chunk(Qc, Wc, keys, valid, mass, scale, grads)
-            if grads:
-                at = to_device(cand[cand >= 0], dev)
-                contrib = out.dkeys[valid]
+            if grads:  # empty slots (pool 0 stands in) add exact zeros: their ds, hence da, are 0
+                at = to_device(cand.clamp(min=0).reshape(-1), dev)
+                contrib = out.dkeys.reshape(-1, D)
                 dpool.index_add_(0, at, fx.to_fixed(contrib, e_pool) if plan.exact else contrib)
         else:
             every = torch.arange(base, min(base + C, seq.num_real_tokens))
@@ -363,19 +385,17 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
             lo_c[: every.numel()], hi_c[: every.numel()] = lo_t, hi_t
             valid = mine[:, None] & (cols[None] >= lo_c[:, None]) & (cols[None] < hi_c[:, None])
             valid = to_device(valid, dev)
-            qt, lt = teacher.rows(plan.storage[part], off, C)
-            mass = teacher.dense_mass(qt, lt, pts[plo:phi], K, plan.block)
+            qt, lt = _place(data["tq"][part], off_d, C), _place(data["tlse"][part], off_d, C)
+            mass = teacher.dense_mass(qt, lt, pts[plo:phi], K, plan.block).to(ct)
             per_row = 0
             if grads and plan.exact:
-                per_row = max(1, plan.config.resolve(current_settings(), dev).max_logits_bytes // (16 * (phi - plo) * D))
+                per_row = max(1, plan.budget // (16 * (phi - plo) * D))
             out = dense_chunk(Qc, Wc, keys_ct[plo:phi], valid, mass, scale, grads, per_row=per_row)
             if grads and plan.exact:
                 da, qq = out.dkeys
                 acc = torch.zeros((phi - plo, D), dtype=torch.int64, device=dev)
-                used = torch.zeros(C, dtype=torch.bool)
-                used[off] = True
                 for i in range(0, C, per_row):  # blocks of the grid (one shape on every rank) holding rows here
-                    if bool(used[i : i + per_row].any()):
+                    if bool(mine[i : i + per_row].any()):
                         acc += fx.to_fixed(dense_row_terms(da, qq, slice(i, i + per_row)), e_pool).sum(dim=0)
                 dpool[plo:phi] += acc
             elif grads:
@@ -388,6 +408,26 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
     value, e_loss = _loss_value(plan, terms, scale)
     saved = dict(dq=dq, dw=dw, dpool=dpool, owned=owned, e_pool=e_pool, ape=ape.detach())
     return value, saved
+
+
+def _row_data(plan: _Plan, q, head_weights) -> tuple[torch.Tensor, dict]:
+    """The real rows computed here (ascending) and their data: ``q``, ``w`` in the compute
+    type, sparse candidates ``cand``, ``TokenMass``'s candidate ``mass`` or the teacher's rows
+    ``tq``, ``tlse``; this rank's own rows, or with ``balance="causal"`` its compute range,
+    moved from their owners."""
+    dev, ct, teacher = q.device, plan.ct, plan.teacher
+    storage = to_device(plan.storage, dev)
+    data = {"q": q.detach().index_select(0, storage).to(ct), "w": head_weights.detach().index_select(0, storage).to(ct)}
+    if plan.cand is not None:
+        data["cand"] = to_device(plan.cand.pools, dev)
+    if plan.mass is not None:
+        data["mass"] = to_device(plan.mass, dev)
+    if isinstance(teacher, AttentionTeacher):
+        data["tq"], data["tlse"] = teacher.local_rows(plan.storage, ct)
+    if plan.ranges is None:
+        return plan.rows, data
+    rows, moved = to_computers(plan.seq, plan.ranges, list(data.values()), timeout=plan.timeout)
+    return rows, dict(zip(data, moved))
 
 
 def _loss_value(plan: _Plan, terms: torch.Tensor, scale: float) -> tuple[torch.Tensor, int]:
@@ -415,11 +455,15 @@ def _backward(plan: _Plan, saved: dict, meta, g: torch.Tensor):
     dq = torch.zeros(q_shape, dtype=q_dtype, device=dev)
     dw = torch.zeros(w_shape, dtype=w_dtype, device=dev)
     if saved["dq"] is not None:
-        dq.index_copy_(0, storage, (saved["dq"] * g).to(q_dtype))
-        dw.index_copy_(0, storage, (saved["dw"] * g).to(w_dtype))
+        dq_rows, dw_rows = saved["dq"], saved["dw"]
+        if plan.ranges is not None:  # computed by other ranks: back to their owners
+            dq_rows, dw_rows = to_owners(seq, plan.ranges, [dq_rows, dw_rows], timeout=plan.timeout)
+        dq.index_copy_(0, storage, (dq_rows * g).to(q_dtype))
+        dw.index_copy_(0, storage, (dw_rows * g).to(w_dtype))
     owned = saved["owned"]
     tables = plan.tables
-    d_own = pool_grads_to_owners(saved["dpool"], seq, owned, tables.vis_lo, tables.vis_hi, timeout=plan.timeout)
+    d_own = pool_grads_to_owners(saved["dpool"], seq, owned, tables.vis_lo, tables.vis_hi, timeout=plan.timeout,
+                                 ranges=plan.ranges)  # fmt: skip
     if plan.exact:
         d_own = fx.from_fixed(d_own, saved["e_pool"], ct).to(dev)
     d_own = d_own * g

@@ -153,31 +153,34 @@ def gather_pools_for_training(k, gates, ape, seq, pool_tok_start: torch.Tensor, 
     return full.index_select(0, to_device(order, full.device)), OwnedPools(owners, k_own, g_own)
 
 
-def _touched(seq, vis_lo: torch.Tensor, vis_hi: torch.Tensor) -> list[tuple[int, int]]:
+def _touched(seq, vis_lo: torch.Tensor, vis_hi: torch.Tensor, ranges=None) -> list[tuple[int, int]]:
     """Per rank, the pool range ``[lo, hi)`` its rows can see (``vis_lo``/``vis_hi``: each
-    real row's visible pools, ``[N]`` int64 CPU): the only pools it sends gradients for."""
+    real row's visible pools, ``[N]`` int64 CPU): the only pools it sends gradients for.
+    ``ranges``: per rank the ``(lo, hi)`` real rows it computed (``balance="causal"``;
+    default: the rows it owns)."""
     out = []
     for r in range(seq.world_size):
-        rows = seq.real_rows(r)
+        rows = seq.real_rows(r) if ranges is None else torch.arange(*ranges[r])
         seen = rows[vis_hi[rows] > vis_lo[rows]] if rows.numel() else rows
         out.append((int(vis_lo[seen].min()), int(vis_hi[seen].max())) if seen.numel() else (0, 0))
     return out
 
 
 def pool_grads_to_owners(d_pools: torch.Tensor, seq, owned: OwnedPools, vis_lo, vis_hi, *, timeout: float,
-                         stats: CommStats | None = None) -> torch.Tensor:  # fmt: skip
+                         stats: CommStats | None = None, ranges=None) -> torch.Tensor:  # fmt: skip
     """Sum every rank's partial ``d_pools [P, D]`` at the pools' owners, in rank order.
 
     Returns ``[n_own, D]`` (``d_pools.dtype``: float, or int64 in the exact mode) for this
     rank's pools (``owned.owners.pools[rank]``, ascending). Rank ``r`` sends only the rows of
     the pools its rows can see (``vis_lo``/``vis_hi``); both sides derive the sizes from
-    the global layout, so no sizes are exchanged.
+    the global layout, so no sizes are exchanged. ``ranges``: the rows each rank computed
+    when they are not the rows it owns (``balance="causal"``).
     """
     me, W = seq.rank, seq.world_size
     mine = owned.owners.pools[me]
     if W == 1:
         return d_pools[to_device(mine, d_pools.device)]
-    seen = _touched(seq, vis_lo, vis_hi)
+    seen = _touched(seq, vis_lo, vis_hi, ranges)
 
     def sent(r: int, o: int) -> torch.Tensor:  # the pools of owner o that rank r sends
         p = owned.owners.pools[o]

@@ -59,35 +59,35 @@ def kl_terms(s: torch.Tensor, mass: torch.Tensor, valid: torch.Tensor) -> tuple[
 
 
 def _scores(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ReLU(a)`` ``[C, H, n]``, ``w / sqrt(H)`` ``[C, H]`` and ``s`` ``[C, n]``."""
+    """``ReLU(a)`` ``[C, H, n]`` (in place: ``a`` is not needed after it, ``r > 0`` is
+    ``a > 0``), ``w / sqrt(H)`` ``[C, H]`` and ``s`` ``[C, n]``."""
     H = w.shape[1]
-    r = torch.relu(a)
+    r = a.relu_()
     wh = w * H**-0.5
     return r, wh, torch.bmm(wh.unsqueeze(1), r).squeeze(1)
 
 
-def _head_grads(a, r, wh, diff, scale):
-    """``ds``, ``dw [C, H]`` and ``da [C, H, n]`` (with the ``D^-1/2`` of ``a`` left out)."""
+def _head_grads(r, wh, diff, scale):
+    """``dw [C, H]`` and ``da [C, H, n]`` (with the ``D^-1/2`` of ``a`` left out)."""
     H = wh.shape[1]
     ds = diff * scale
     dw = torch.bmm(r, ds.unsqueeze(2)).squeeze(2) * H**-0.5
     da = wh.unsqueeze(2) * ds.unsqueeze(1)
-    da = torch.where(a > 0, da, torch.zeros_like(da))
-    return dw, da
+    return dw, da.masked_fill_(r <= 0, 0)  # ReLU's gradient: 1[a > 0]
 
 
 def sparse_chunk(q, w, keys, valid, mass, scale: float, grads: bool) -> ChunkGrads:
     """Sparse candidates: ``q [C, H, D]``, ``w [C, H]``, ``keys [C, n, D]`` (each row's
     candidates' pooled keys), ``valid``/``mass`` ``[C, n]``; all in the compute type."""
     D = q.shape[2]
-    a = torch.bmm(q, keys.transpose(1, 2)) * D**-0.5  # [C, H, n]
+    a = torch.bmm(q, keys.transpose(1, 2)).mul_(D**-0.5)  # [C, H, n]
     r, wh, s = _scores(a, w)
     terms, diff = kl_terms(s, mass, valid)
     if not grads:
         return ChunkGrads(terms)
-    dw, da = _head_grads(a, r, wh, diff, scale)
-    dq = torch.bmm(da, keys) * D**-0.5
-    dkeys = torch.bmm(da.transpose(1, 2), q) * D**-0.5  # [C, n, D]
+    dw, da = _head_grads(r, wh, diff, scale)
+    dq = torch.bmm(da, keys).mul_(D**-0.5)
+    dkeys = torch.bmm(da.transpose(1, 2), q).mul_(D**-0.5)  # [C, n, D]
     return ChunkGrads(terms, dq, dw, dkeys)
 
 
@@ -97,16 +97,16 @@ def dense_chunk(q, w, keys, valid, mass, scale: float, grads: bool, per_row: int
     ``[C, N, D]`` in blocks of ``per_row`` rows, as ``dkeys`` (the exact mode's fixed-point
     sum needs them row by row); ``0``: ``dkeys [N, D]`` summed over the chunk."""
     C, H, D = q.shape
-    a = torch.matmul(q.reshape(C * H, D), keys.t()).view(C, H, -1) * D**-0.5
+    a = torch.matmul(q.reshape(C * H, D), keys.t()).view(C, H, -1).mul_(D**-0.5)
     r, wh, s = _scores(a, w)
     terms, diff = kl_terms(s, mass, valid)
     if not grads:
         return ChunkGrads(terms)
-    dw, da = _head_grads(a, r, wh, diff, scale)
-    dq = torch.matmul(da.reshape(C * H, -1), keys).view(C, H, D) * D**-0.5
+    dw, da = _head_grads(r, wh, diff, scale)
+    dq = torch.matmul(da.reshape(C * H, -1), keys).view(C, H, D).mul_(D**-0.5)
     if per_row:
         return ChunkGrads(terms, dq, dw, (da, q))  # the caller walks blocks of rows (exact.row_terms)
-    dkeys = torch.matmul(da.reshape(C * H, -1).t(), q.reshape(C * H, D)) * D**-0.5
+    dkeys = torch.matmul(da.reshape(C * H, -1).t(), q.reshape(C * H, D)).mul_(D**-0.5)
     return ChunkGrads(terms, dq, dw, dkeys)
 
 
@@ -114,4 +114,4 @@ def dense_row_terms(da: torch.Tensor, q: torch.Tensor, rows: slice) -> torch.Ten
     """The pooled keys' terms of the rows ``rows`` of a dense chunk, row by row:
     ``[b, N, D] = D^-1/2 da[t]^T @ q[t]``."""
     D = q.shape[2]
-    return torch.bmm(da[rows].transpose(1, 2), q[rows]) * D**-0.5
+    return torch.bmm(da[rows].transpose(1, 2), q[rows]).mul_(D**-0.5)

@@ -115,17 +115,12 @@ class AttentionTeacher:
     def compute_dtype(self) -> torch.dtype:
         return torch.float64 if torch.float64 in (self.q.dtype, self.k.dtype, self.lse.dtype) else torch.float32
 
-    def rows(self, storage: torch.Tensor, offsets: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries and log-sum-exps of a chunk of ``C`` rows: the rows at ``storage`` placed
-        at ``offsets``, zero rows elsewhere (the chunk's shape whichever rank computes it)."""
-        ct = self.compute_dtype()
-        dev = self.q.device
-        q = self.q.new_zeros((C, *self.q.shape[1:]), dtype=ct)
-        lse = self.lse.new_zeros((C, self.lse.shape[1]), dtype=ct)
-        at, src = to_device(offsets, dev), to_device(storage, dev)
-        q[at] = self.q.index_select(0, src).to(ct)
-        lse[at] = self.lse.index_select(0, src).to(ct)
-        return q, lse
+    def local_rows(self, storage: torch.Tensor, ct: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and log-sum-exps of this rank's rows at ``storage`` in ``ct`` (at least
+        the teacher's own compute type)."""
+        ct = torch.float64 if torch.float64 in (ct, self.compute_dtype()) else torch.float32
+        src = to_device(storage, self.q.device)
+        return self.q.index_select(0, src).to(ct), self.lse.index_select(0, src).to(ct)
 
     def _reduce_heads(self, m: torch.Tensor) -> torch.Tensor:
         if self.head_group is not None:
@@ -140,7 +135,7 @@ class AttentionTeacher:
         ct = q.dtype
         keys = self.k.index_select(0, to_device(tokens.reshape(-1), self.k.device)).to(ct)
         keys = keys.view(tokens.shape[0], tokens.shape[1], -1)
-        logits = torch.bmm(q, keys.transpose(1, 2)) * self.scale - lse[:, :, None]  # [C, Hq, slots * K]
+        logits = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale).sub_(lse[:, :, None])  # [C, Hq, slots * K]
         m = logits.exp_().sum(dim=1).view(tokens.shape[0], -1, kpool).sum(dim=2)
         return self._reduce_heads(m)
 
@@ -158,6 +153,6 @@ class AttentionTeacher:
             b = min(n, a + block)
             tok = (pool_tok_start[a:b, None] + slots).reshape(-1)
             keys = self.k.index_select(0, to_device(tok, self.k.device)).to(ct)
-            logits = torch.matmul(flat, keys.t()).view(C, Hq, -1) * self.scale - lse[:, :, None]
+            logits = torch.matmul(flat, keys.t()).view(C, Hq, -1).mul_(self.scale).sub_(lse[:, :, None])
             out[:, a:b] = logits.exp_().sum(dim=1).view(C, b - a, kpool).sum(dim=2)
         return self._reduce_heads(out)
