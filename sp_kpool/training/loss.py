@@ -158,7 +158,7 @@ def _plan(q, k, gates, head_weights, ape, seq, teacher, selection, coeff, normal
                              f"rows, width of topk={config.topk}, kpool={K}, alignment={config.alignment}), "
                              f"got {list(selection.shape)}")  # fmt: skip
         ids = seq.real_ids(selection.index_select(0, to_device(storage, selection.device)).cpu().to(torch.int64))
-        cand = sparse_candidates(ids, rows, tables, slots)
+        cand = sparse_candidates(ids, rows, tables, slots, columns=isinstance(teacher, TokenMass))
         if isinstance(teacher, TokenMass):
             teacher.check(selection, rows, storage)
             mass = teacher.candidate_mass(storage, cand.col_slot, slots, ct)

@@ -66,14 +66,14 @@ class SparseCandidates:
     """Sparse candidates of some real rows: ``pools [n, slots]`` int64 (ascending, ``-1``
     after), and for every selected column of those rows its candidate slot ``col_slot
     [n, width]`` int64 (``-1``: a ``-1`` column or a tail id; a candidate's ``K`` columns
-    share its slot)."""
+    share its slot; ``None`` when not asked for)."""
 
     pools: torch.Tensor
     col_slot: torch.Tensor
 
 
 def sparse_candidates(ids: torch.Tensor, rows: torch.Tensor, tables: RowTables, slots: int, *,
-                      name: str = "selection", block: int = 1024) -> SparseCandidates:  # fmt: skip
+                      name: str = "selection", block: int = 1024, columns: bool = True) -> SparseCandidates:  # fmt: skip
     """The complete pools among the selected ids of real rows ``rows``.
 
     Args:
@@ -81,6 +81,8 @@ def sparse_candidates(ids: torch.Tensor, rows: torch.Tensor, tables: RowTables, 
             (``[n]`` int64 real rows).
         slots: the most candidates a row may have (``topk // K``).
         block: rows handled at once (bounds the scratch: a few ``[block, width]`` int64).
+        columns: also map every column to its candidate slot (``col_slot``, what a
+            :class:`~sp_kpool.training.teachers.TokenMass` needs; else ``None``).
 
     One sort per row of its visible pools: a row's ids are valid when, sorted, its visible
     pools come in runs of exactly ``K`` (the candidate ``j`` is then the run at ``[jK, (j + 1)K)``).
@@ -91,14 +93,17 @@ def sparse_candidates(ids: torch.Tensor, rows: torch.Tensor, tables: RowTables, 
     K = tables.kpool
     n, width = ids.shape
     pools = torch.full((n, slots), -1, dtype=torch.int64)
-    col_slot = torch.full((n, width), -1, dtype=torch.int64)
+    col_slot = torch.full((n, width), -1, dtype=torch.int64) if columns else None
     for a in range(0, n, block):
         b = min(n, a + block)
-        pools[a:b], col_slot[a:b] = _candidates_block(ids[a:b], rows[a:b], tables, slots, name)
+        got, cols = _candidates_block(ids[a:b], rows[a:b], tables, slots, name, columns)
+        pools[a:b] = got
+        if columns:
+            col_slot[a:b] = cols
     return SparseCandidates(pools, col_slot)
 
 
-def _candidates_block(ids, rows, tables: RowTables, slots: int, name: str):
+def _candidates_block(ids, rows, tables: RowTables, slots: int, name: str, columns: bool):
     K = tables.kpool
     n, width = ids.shape
     N = tables.doc.numel()
@@ -148,6 +153,8 @@ def _candidates_block(ids, rows, tables: RowTables, slots: int, name: str):
     m = min(slots, head.shape[1])
     pools = torch.full((n, slots), -1, dtype=torch.int64)
     pools[:, :m] = torch.where(used[:, :m], head[:, :m], -1)
+    if not columns:
+        return pools, None
     slot_of = (torch.arange(key.shape[1]) // K)[None].expand(n, -1)
     col = torch.full((n, key.shape[1]), -1, dtype=torch.int64)
     col.scatter_(1, order, torch.where(srt != big, slot_of, -1))
