@@ -16,6 +16,7 @@ reuses what it holds, in named sections::
                                                         (sp_kpool.balance.sequence_partition)
     chunks        backend, pools, config, settings,     rows per scoring chunk
                   heads, head dim, device               (sp_kpool.agreement.scoring_chunk_rows)
+    training_rows kpool                                 RowTables (sp_kpool.training.rows.row_tables)
 
 (a key holds what a value depends on besides the sequence itself: its boundaries and
 world size are fixed with it)
@@ -37,7 +38,7 @@ from typing import Any, Callable
 __all__ = ["BatchCache", "TableCache", "SECTIONS"]
 
 #: The sections of a :class:`BatchCache` and the entries each keeps.
-SECTIONS = {"plans": 8, "spans": 8, "row_work": 4, "owned_work": 8, "partitions": 16, "chunks": 8}
+SECTIONS = {"plans": 8, "spans": 8, "row_work": 4, "owned_work": 8, "partitions": 16, "chunks": 8, "training_rows": 4}
 
 
 class TableCache:

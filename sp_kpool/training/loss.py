@@ -138,7 +138,7 @@ def _plan(q, k, gates, head_weights, ape, seq, teacher, selection, coeff, normal
     normalize = check_choice("normalize", normalize, NORMALIZE)
     determinism = check_choice("determinism", determinism, DETERMINISM)
     K = config.kpool
-    tables = row_tables(seq.real_cu_seq_lens, K)
+    tables = seq.batch.get("training_rows", K, lambda: row_tables(seq.real_cu_seq_lens, K), cache=settings.table_cache)
     rows, storage = seq.real_rows(), seq.storage_index()
     dense = isinstance(selection, str)
     if dense and selection != "dense":
