@@ -46,9 +46,11 @@ history ids come in whole pools (tokens: all ``K`` tokens of a pool); at most ``
 pools.
 
 **Rows not covered** (``missing=``): ``"compute"`` (default) computes them with
-:func:`sp_kpool.kpool_topk` from ``inputs`` (the operator's tensors ``q, k, gates,
-head_weights, ape`` of the local rows, as a dict such as ``KPoolIndexer.prepare`` returns,
-or a callable returning it, called only when some row of the sequence is not covered); as
+:func:`sp_kpool.kpool_topk` from ``inputs`` (the operator's tensors of the local rows: a
+dict with exactly the keys ``q, k, gates, head_weights, ape``, as ``KPoolIndexer.prepare``
+returns it, or a tuple in that order, the operator's argument order, or a callable returning
+either, called only when some row of the sequence is not covered; a missing, unknown or
+non-tensor entry is an error naming ``inputs[...]``); as
 ``kpool_topk`` is a collective, every rank computes when any rank has such a row (the
 coverage is global, so every rank decides alike); ``"fail"`` raises naming the first such
 document and row; ``"empty"`` gives such a row no history (all ``-1``) but its tail (what
@@ -80,7 +82,7 @@ from .selection import assemble, row_meta
 from .settings import Settings
 from .sharding import ShardedSequence
 
-__all__ = ["IDS", "MISSING", "shard", "shard_local", "documents", "compare", "captured_rows", "ReplayError",
+__all__ = ["IDS", "MISSING", "INPUTS", "shard", "shard_local", "documents", "compare", "captured_rows", "ReplayError",
            "sample_rows"]
 
 #: ``ids=``: document-local token positions, or document-local pool ids.
@@ -117,10 +119,41 @@ def _signature(seq, config: KPoolConfig | None, captures, ids: str, missing: str
     return sig + config.signature()
 
 
+#: ``inputs=``: the operator's tensors, in its argument order (``kpool_topk(q, k, gates, head_weights, ape, ...)``)
+INPUTS = ("q", "k", "gates", "head_weights", "ape")
+
+
+def _operator_inputs(inputs: Any) -> dict[str, torch.Tensor]:
+    """``inputs=`` (a dict with the keys :data:`INPUTS` or a tuple in that order) as
+    ``kpool_topk``'s keyword arguments; errors name ``inputs[...]``."""
+    expected = ", ".join(INPUTS)
+    if isinstance(inputs, (tuple, list)):
+        if len(inputs) != len(INPUTS):
+            raise ValueError(f"inputs: expected {len(INPUTS)} tensors in the operator's order ({expected}), "
+                             f"got {len(inputs)}")  # fmt: skip
+        inputs = dict(zip(INPUTS, inputs))
+        names = {k: f"inputs[{i}] ({k})" for i, k in enumerate(INPUTS)}
+    elif isinstance(inputs, dict):
+        for key in inputs:
+            if key not in INPUTS:
+                raise ValueError(f"inputs[{key!r}]: unknown key (expected the keys {expected})")
+        for key in INPUTS:
+            if key not in inputs:
+                raise ValueError(f"inputs[{key!r}]: missing (expected the keys {expected})")
+        names = {k: f"inputs[{k!r}]" for k in INPUTS}
+    else:
+        raise TypeError(f"inputs: expected a dict of tensors ({expected}), a tuple in that order or a callable "
+                        f"returning either, got {type(inputs).__name__}")  # fmt: skip
+    for key in INPUTS:
+        if not isinstance(inputs[key], torch.Tensor):
+            raise TypeError(f"{names[key]}: expected a tensor, got {type(inputs[key]).__name__}")
+    return {k: inputs[k] for k in INPUTS}
+
+
 def _device_of(device, inputs, captures) -> torch.device:
     if device is not None:
         return torch.device(device)
-    if isinstance(inputs, dict) and isinstance(inputs.get("q"), torch.Tensor):
+    if isinstance(inputs, dict):
         return inputs["q"].device
     for c in captures:
         return c.device
@@ -135,7 +168,7 @@ def shard(
     *,
     ids: str = "tokens",
     missing: str = "compute",
-    inputs: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]] | None = None,
+    inputs: dict[str, torch.Tensor] | Sequence[torch.Tensor] | Callable[[], Any] | None = None,
     options: RunOptions | None = None,
     settings: Settings | None = None,
     device: torch.device | str | None = None,
@@ -151,8 +184,11 @@ def shard(
             ``order``, ``alignment``), or ``None`` and keywords (``topk=2048, kpool=4``).
         ids: ``"tokens"`` (document-local token positions) or ``"pools"`` (pool ids).
         missing: ``"compute"``, ``"fail"`` or ``"empty"`` for rows the capture does not cover.
-        inputs: ``missing="compute"``: ``{"q", "k", "gates", "head_weights", "ape"}`` of the
-            local rows (``kpool_topk``'s tensors) or a callable returning them.
+        inputs: ``missing="compute"``: ``kpool_topk``'s tensors of the local rows, a dict
+            with exactly the keys ``q, k, gates, head_weights, ape`` (:data:`INPUTS`) or a
+            tuple in that order (the operator's argument order), or a callable returning
+            either (called only when some row is not covered). A missing, unknown or
+            non-tensor entry raises naming ``inputs[...]``.
         options, settings: for that ``kpool_topk`` call (and the agreement's timeout).
         device: of the output (default: the device of ``inputs["q"]``, else of the captures).
 
@@ -175,8 +211,8 @@ def shard(
         if missing == "compute" and inputs is None:
             raise ValueError("inputs: missing='compute' needs the operator's inputs (a dict of q, k, gates, "
                              "head_weights, ape, or a callable returning it), got None")  # fmt: skip
-        if inputs is not None and not (isinstance(inputs, dict) or callable(inputs)):
-            raise TypeError(f"inputs: expected a dict of tensors or a callable, got {type(inputs).__name__}")
+        if inputs is not None and not callable(inputs):
+            inputs = _operator_inputs(inputs)
         dev = _device_of(device, inputs, captures)
         out = _replay_local(captures, seq, cfg, ids == "pools", missing, dev)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
@@ -185,7 +221,7 @@ def shard(
     ids_out, uncovered = out
     if missing == "compute" and _uncovered_anywhere(captures, seq):
         try:
-            given = inputs() if callable(inputs) else inputs
+            given = _operator_inputs(inputs()) if callable(inputs) else inputs
         except Exception as exc:  # noqa: BLE001 - the other ranks are in kpool_topk's agreement
             fail_on_every_rank(seq, exc, settings)
         from .api import kpool_topk
