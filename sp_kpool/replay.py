@@ -315,8 +315,9 @@ def _replay_local(captures, seq: ShardedSequence, cfg: KPoolConfig, pools: bool,
                           f"(captured[{d}] has {int(captures[d].shape[0])} rows, the document "
                           f"{int(length_all[i])}; missing='fail')")  # fmt: skip
     pool_tok_start, doc_pool_offset = pool_table(cu, K)
-    offs = to_device(doc_pool_offset, dev).to(torch.int32)[to_device(doc, dev)]
-    selected = torch.where(selected >= 0, selected + offs[:, None], -1)  # global pool ids, int32
+    if cu.numel() > 2:  # global pool ids (one document: they are its own)
+        offs = to_device(doc_pool_offset, dev).to(torch.int32)[to_device(doc, dev)]
+        selected = torch.where(selected >= 0, selected + offs[:, None], -1)
     meta = row_meta(to_device(rows, dev), cu, doc_pool_offset, K)
     storage = seq.storage_index()
     if not R:

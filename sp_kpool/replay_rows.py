@@ -84,10 +84,43 @@ def captured_rows(captures: Sequence[torch.Tensor], cu: torch.Tensor, rows: torc
     if width is None:
         width = max((int(c.shape[1]) for c in captures), default=0)
     R = rows.numel()
-    vals = torch.full((R, width), -1, dtype=torch.int32, device=device)
+    vals = torch.empty((R, width), dtype=torch.int32, device=device)  # every entry written below
     covered = torch.zeros(R, dtype=torch.bool)
     if R == 0:
         return vals, covered.to(device)
+
+    def put(dst: torch.Tensor, x: torch.Tensor) -> None:  # int64 values saturate (and then fail validation)
+        if x.dtype == torch.int64:
+            x = x.to(device).clamp(-2, _BIG32 - 1)
+        dst[:, : x.shape[1]].copy_(x)  # int32 and narrower: converted by the copy
+        dst[:, x.shape[1] :].fill_(-1)
+
+    doc = torch.searchsorted(cu, rows, right=True) - 1
+    d_lo, d_hi = int(doc[0]), int(doc[-1]) + 1
+    bounds = torch.searchsorted(doc, torch.arange(d_lo, d_hi + 1), right=False).tolist()
+    for d in range(d_lo, d_hi):
+        a, b = bounds[d - d_lo], bounds[d - d_lo + 1]
+        if a == b:
+            continue
+        cap = captures[d]
+        j = rows[a:b] - cu[d]
+        n = int(cap.shape[0])
+        if int(j[-1]) < n:  # every row covered
+            j0 = int(j[0])
+            if int(j[-1]) - j0 + 1 == b - a:  # consecutive rows: read them in place
+                put(vals[a:b], cap[j0 : j0 + b - a])
+            else:
+                put(vals[a:b], cap.index_select(0, j.to(cap.device)))
+            covered[a:b] = True
+            continue
+        vals[a:b].fill_(-1)
+        sel = torch.nonzero(j < n).flatten()
+        if sel.numel():
+            rows_sel = torch.full((sel.numel(), width), -1, dtype=torch.int32, device=device)
+            put(rows_sel, cap.index_select(0, j[sel].to(cap.device)))
+            vals[a + sel.to(device)] = rows_sel
+            covered[a + sel] = True
+    return vals, covered.to(device)
 
     def int32(x: torch.Tensor) -> torch.Tensor:  # int64 values saturate (and then fail validation)
         if x.dtype == torch.int64:
