@@ -23,6 +23,8 @@ _OK, _NEGATIVE, _NOT_CAUSAL, _DUPLICATE, _PARTIAL_POOL, _TOO_MANY = range(6)
 _BIG = torch.iinfo(torch.int64).max
 _BIG32 = torch.iinfo(torch.int32).max
 _NARROW = 1 << 15
+#: up to this K, tail duplicates are counted per tail value (K - 1 passes), past it sorted
+_TAIL_PASSES = 8
 #: scratch bytes per captured entry of a chunk in :func:`select_rows` (the int32 values, the
 #: sort's int32 values and int64 indices, a few bool and int32 masks); the caller bounds a
 #: chunk's entries so that ``entries * SCRATCH_BYTES_PER_ENTRY`` stays under its budget
@@ -263,11 +265,16 @@ def _select_tokens(v: torch.Tensor, j: torch.Tensor, n_vis: torch.Tensor, topk: 
     with_tail = torch.nonzero((n_tail > 1) & ~bad).flatten()
     if with_tail.numel():  # two tail ids alike (history ids never equal tail ids)
         sub = v.index_select(0, with_tail)
-        key = torch.where(sub >= hist_end[with_tail, None], sub, -1)
-        s = _sort_unused_last(key).values
-        t = n_tail[with_tail]
-        pos = torch.arange(W - 1, device=v.device)[None]
-        bad[with_tail] |= ((s[:, 1:] == s[:, :-1]) & (pos < (t - 1)[:, None])).any(1)
+        tail0 = hist_end[with_tail, None]
+        if K <= _TAIL_PASSES:  # a tail id is one of K - 1 values: count each
+            twice = torch.zeros(with_tail.numel(), dtype=torch.bool, device=v.device)
+            for c in range(K - 1):
+                twice |= (sub == tail0 + c).sum(1, dtype=torch.int32) > 1
+        else:
+            s = _sort_unused_last(torch.where(sub >= tail0, sub, -1)).values
+            pos = torch.arange(W - 1, device=v.device)[None]
+            twice = ((s[:, 1:] == s[:, :-1]) & (pos < (n_tail[with_tail] - 1)[:, None])).any(1)
+        bad[with_tail] |= twice
     # the pools: duplicates, their number, the order (of regular rows: their column order)
     bad_p, out = _select_pools(pools, n_vis, topk, kpool, capture_order, min(k_sel, max(Wb, 1)))
     return bad | bad_p, _pad(out, k_sel).contiguous()
