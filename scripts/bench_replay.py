@@ -3,8 +3,9 @@
 Per capture kind, one document of ``--tokens`` tokens (default 65536), topk 2048, K 4: a valid
 random capture (every row its ``min(512, visible)`` pools, in a random order, no row for the
 last token) as pool ids (int16, 512 per row) and as token positions (int32, 2048 per row).
-Measured in the same run: ``torch.sort(capture, dim=1)`` of that very tensor (the baseline),
-``shard`` at world size 1 and ``shard_local`` for rank 3 of a 4-rank zigzag split. Targets:
+Measured in the same run, in alternation (``--repeat`` rounds, each figure its least time):
+``torch.sort(capture, dim=1)`` of that very tensor (the baseline), ``shard`` at world size 1
+and ``shard_local`` for rank 3 of a 4-rank zigzag split. Targets:
 ``shard`` at most 2x the sort (pools), 1.5x (tokens).
 
 ``--docs 16 --doc-tokens 2048`` (default; ``--docs 0`` skips it): the cost of the rows a
@@ -53,6 +54,16 @@ def random_capture(n: int, topk: int, kpool: int, seed: int = 0) -> torch.Tensor
     return out
 
 
+def alternating(fns: dict, repeat: int, dev) -> dict:
+    """The least seconds of each of ``fns`` over ``repeat`` rounds, one call of each per round
+    (a measurement and its baseline see the same load of a shared machine)."""
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            best[name] = min(best[name], best_seconds(fn, 1, dev))
+    return best
+
+
 def shard_cases(args, dev, emit) -> None:
     n, T, K = args.tokens, args.topk, args.kpool
     config = KPoolConfig(topk=T, kpool=K)
@@ -69,17 +80,16 @@ def shard_cases(args, dev, emit) -> None:
     for kind, cap in caps.items():
         base = dict(tokens=n, topk=T, kpool=K, device=str(dev), capture_dtype=str(cap[0].dtype).replace("torch.", ""),
                     capture_shape=list(cap[0].shape), capture_bytes=cap[0].numel() * cap[0].element_size())  # fmt: skip
-        sort_s = best_seconds(lambda: torch.sort(cap[0], dim=1), args.repeat, dev)
-        emit({"what": f"torch.sort of the {kind} capture", **base, "seconds": round(sort_s, 4)})
-        for name, rows, fn in (
-            ("world size 1", n, lambda: replay.shard(cap, seq1, config, ids=kind, missing="empty", device=dev)),
-            ("rank 3 of 4 (zigzag)", seq4.shard_size,
-             lambda: replay.shard_local(cap, seq4, config, ids=kind, device=dev)),
-        ):  # fmt: skip
-            s = best_seconds(fn, args.repeat, dev)
-            rec = {"what": f"replay.shard {kind}", "split": name, "rows": rows, **base, "seconds": round(s, 4)}
+        t = alternating({
+            "sort": lambda: torch.sort(cap[0], dim=1),
+            "world size 1": lambda: replay.shard(cap, seq1, config, ids=kind, missing="empty", device=dev),
+            "rank 3 of 4 (zigzag)": lambda: replay.shard_local(cap, seq4, config, ids=kind, device=dev),
+        }, args.repeat, dev)  # fmt: skip
+        emit({"what": f"torch.sort of the {kind} capture", **base, "seconds": round(t["sort"], 4)})
+        for name, rows in (("world size 1", n), ("rank 3 of 4 (zigzag)", seq4.shard_size)):
+            rec = {"what": f"replay.shard {kind}", "split": name, "rows": rows, **base, "seconds": round(t[name], 4)}
             if name == "world size 1":
-                rec.update(vs_sort=round(s / sort_s, 2), target_vs_sort=target[kind])
+                rec.update(vs_sort=round(t[name] / t["sort"], 2), target_vs_sort=target[kind])
             emit(rec)
 
 
@@ -100,17 +110,21 @@ def missing_rows_case(args, dev, emit) -> None:
         nonlocal ids
         ids = kpool_topk(**inputs, seq=seq, config=config)
 
-    call_s = best_seconds(call, 1, dev)
+    call()
     full = replay.documents(ids, seq)
     last_missing = [c[:-1] for c in full]  # no row for each document's last token
-    full_s = best_seconds(lambda: replay.shard(full, seq, config, missing="compute", inputs=inputs), args.repeat, dev)
     out = None
 
     def partial():
         nonlocal out
         out = replay.shard(last_missing, seq, config, missing="compute", inputs=inputs)
 
-    part_s = best_seconds(partial, args.repeat, dev)
+    t = alternating({
+        "call": call,
+        "covered": lambda: replay.shard(full, seq, config, missing="compute", inputs=inputs),
+        "partial": partial,
+    }, args.repeat, dev)  # fmt: skip
+    call_s, full_s, part_s = t["call"], t["covered"], t["partial"]
     assert torch.equal(out, ids), "replay with computed rows differs from kpool_topk"
     base = dict(docs=D, doc_tokens=L, tokens=S, topk=T, kpool=K, heads=H, head_dim=Dh, dtype="float32",
                 device=str(dev), backend="torch")  # fmt: skip
@@ -127,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--kpool", type=int, default=4)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=5, help="rounds; each figure is its least time")
     ap.add_argument("--docs", type=int, default=16, help="documents of the missing-rows case (0: skip it)")
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=32)
