@@ -41,7 +41,6 @@ import platform
 import resource
 import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -49,6 +48,7 @@ import torch
 
 from sp_kpool.testing.bench_inputs import gather_into_tensor
 from sp_kpool.testing.bench_report import add_ratios, fit_row_cost, one_line, summarize, write_outputs
+from sp_kpool.testing.bench_timing import cpu_model, git_commit
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -187,12 +187,12 @@ def environment(args, world_size: int, dist_backend: str | None, device: torch.d
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "host": socket.gethostname(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "sp_kpool": sp_kpool.__version__,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "world_size": world_size,
         "dist_backend": dist_backend,
         "device": str(device),
@@ -209,28 +209,6 @@ def environment(args, world_size: int, dist_backend: str | None, device: torch.d
         if mod in sys.modules:
             env[mod] = getattr(sys.modules[mod], "__version__", "?")
     return env
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def _git_commit() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)  # fmt: skip
-        return out.stdout.strip() + (" (tree modified)" if dirty.stdout.strip() else "")
-    except Exception:  # noqa: BLE001
-        return "?"
 
 
 # ---------------------------------------------------------------------------- inputs

@@ -85,10 +85,11 @@ def assemble(
     ext = torch.cat([pool_tok_start.to(torch.int32), pool_tok_start.new_full((1,), -kpool, dtype=torch.int32)])
     first = ext.index_select(0, torch.where(valid, p32, num_pools).flatten()).view(rows, k_sel, 1)
     slots = torch.arange(kpool, device=device, dtype=torch.int32)
-    hist = (first + slots).view(rows, k_sel * kpool)  # unused pools: -K + slot < 0
-    hist = hist.clamp_(min=-1)
-    out = torch.full((rows, width), -1, dtype=torch.int32, device=device)
-    out[:, : k_sel * kpool] = hist
+    # the history written in place (two passes over the output, no temporary of its size)
+    out = torch.empty((rows, width), dtype=torch.int32, device=device)
+    hist = out[:, : k_sel * kpool].view(rows, k_sel, kpool)
+    torch.add(first, slots, out=hist).clamp_(min=-1)  # unused pools: -K + slot < 0
+    out[:, k_sel * kpool :].fill_(-1)
     if kpool > 1:
         toff = torch.arange(kpool - 1, device=device)
         tail_len = meta.tail_len[:, None]

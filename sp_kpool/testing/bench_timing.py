@@ -7,10 +7,12 @@ collective) and in :mod:`.bench_report` (reports of ``scripts/bench.py`` runs) r
 in one script imported by another.
 
 Output and launch options:
-  :func:`log`, :func:`save`, :func:`package_versions`, :func:`launch_kwargs`.
+  :func:`log`, :func:`save`, :func:`package_versions`, :func:`launch_kwargs`,
+  :func:`cpu_model`, :func:`git_commit` (for a record's environment).
 Timing (CUDA):
   :func:`median_ms` (CUDA events), :func:`host_ahead_ms` (the host ahead of the device),
   :func:`do_bench_ms` (``triton.testing.do_bench``).
+Timing (CPU or CUDA, wall clock): :func:`best_seconds`.
 
 Nothing here is imported by ``import sp_kpool``; triton is imported only by the function
 that needs it.
@@ -20,11 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import subprocess
 import time
 
 import torch
 
-__all__ = ["log", "save", "package_versions", "launch_kwargs", "median_ms", "host_ahead_ms", "do_bench_ms"]
+__all__ = ["log", "save", "package_versions", "launch_kwargs", "cpu_model", "git_commit", "median_ms", "host_ahead_ms",
+           "do_bench_ms", "best_seconds"]
 
 # ------------------------------------------------------------------------ output
 
@@ -59,7 +64,48 @@ def launch_kwargs(opts) -> dict:
     return {n: int(v) if v.lstrip("-").isdigit() else v for n, v in (o.split("=", 1) for o in opts)}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def git_commit() -> str:
+    """``HEAD`` of the checkout this package runs from, ``" (tree modified)"`` appended when
+    tracked files differ from it; ``"?"`` outside a git checkout."""
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)  # fmt: skip
+        return out.stdout.strip() + (" (tree modified)" if dirty.stdout.strip() else "")
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
 # ------------------------------------------------------------------------ timing
+
+
+def best_seconds(fn, repeat: int = 2, device: torch.device | str = "cpu") -> float:
+    """The least wall-clock seconds of ``repeat`` calls of ``fn()`` (the device synchronized
+    around each call on CUDA): on a shared CPU the minimum is the run least disturbed."""
+    cuda = torch.device(device).type == "cuda"
+    best = float("inf")
+    for _ in range(repeat):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def median_ms(fn, reps: int = 10, warmup: int = 3) -> float:

@@ -482,3 +482,33 @@ def test_replay_report_table_json_and_plot(tmp_path):
     assert [p.name for p in written] == ["replay.json", "replay.txt", "replay_layers.png"]
     assert json.loads(written[0].read_text())[0]["rows_differing"] == 0
     assert written[2].stat().st_size > 1000
+
+
+def test_inputs_tuple_in_the_operators_order_and_errors_name_inputs():
+    config = CONFIGS[0]
+    x = _problem()
+    ref, seq1 = _world1(x, config)
+    caps = _truncated(replay.documents(ref, seq1), drop=2)
+    given = shard_inputs(x, seq1)
+    in_order = tuple(given[k] for k in replay.INPUTS)
+    assert replay.INPUTS == ("q", "k", "gates", "head_weights", "ape")
+    assert torch.equal(replay.shard(caps, seq1, config, inputs=in_order), ref)
+    assert torch.equal(replay.shard(caps, seq1, config, inputs=list(in_order)), ref)
+    assert torch.equal(replay.shard(caps, seq1, config, inputs=lambda: in_order), ref)
+    wrong = {**given, "weights": given["head_weights"]}
+    del wrong["head_weights"]
+    with pytest.raises(ValueError, match=r"inputs\['weights'\]: unknown key \(expected the keys q, k, gates, "
+                                         r"head_weights, ape\)"):  # fmt: skip
+        replay.shard(caps, seq1, config, inputs=wrong)
+    without = {k: v for k, v in given.items() if k != "ape"}
+    with pytest.raises(ValueError, match=r"inputs\['ape'\]: missing \(expected the keys"):
+        replay.shard(caps, seq1, config, inputs=without)
+    with pytest.raises(ValueError, match=r"inputs\['ape'\]: missing"):  # from the callable, after the agreement
+        replay.shard(caps, seq1, config, inputs=lambda: without)
+    with pytest.raises(ValueError, match=r"inputs: expected 5 tensors in the operator's order \(q, k, gates, "
+                                         r"head_weights, ape\), got 4"):  # fmt: skip
+        replay.shard(caps, seq1, config, inputs=in_order[:4])
+    with pytest.raises(TypeError, match=r"inputs\[2\] \(gates\): expected a tensor, got NoneType"):
+        replay.shard(caps, seq1, config, inputs=(*in_order[:2], None, *in_order[3:]))
+    with pytest.raises(TypeError, match=r"inputs: expected a dict of tensors"):
+        replay.shard(caps, seq1, config, inputs=given["q"])
