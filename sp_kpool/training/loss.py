@@ -29,6 +29,7 @@ import torch
 from .._device import to_device
 from ..agreement import _agree, _check_seq, tensor_codes
 from ..checks import FLOAT_DTYPES, check_choice, check_float_dtype, check_float_tensor
+from ..comm import take_rows
 from ..config import KPoolConfig, RunOptions, split_keywords
 from ..settings import Settings, current_settings
 from ..sharding import ShardedSequence
@@ -36,7 +37,7 @@ from . import fixed_point as fx
 from .pools import gather_pools_for_training, pool_block_grads, pool_grads_to_owners, token_grads_to_owners
 from .rows import RowTables, SparseCandidates, row_tables, sparse_candidates
 from .balance import to_computers, to_owners, training_partition
-from .student import dense_chunk, dense_row_terms, sparse_chunk
+from .student import Workspace, dense_chunk, dense_row_terms, sparse_chunk
 from .teachers import AttentionTeacher, TokenMass
 
 __all__ = ["indexer_kl_loss", "NORMALIZE", "DETERMINISM", "MAX_CHUNK_ROWS"]
@@ -157,7 +158,7 @@ def _plan(q, k, gates, head_weights, ape, seq, teacher, selection, coeff, normal
             raise ValueError(f"selection: expected shape [{S}, {config.width}] (this call's ids: seq.shard_size "
                              f"rows, width of topk={config.topk}, kpool={K}, alignment={config.alignment}), "
                              f"got {list(selection.shape)}")  # fmt: skip
-        ids = seq.real_ids(selection.index_select(0, to_device(storage, selection.device)).cpu().to(torch.int64))
+        ids = seq.real_ids(take_rows(selection, storage).cpu().to(torch.int64))
         cand = sparse_candidates(ids, rows, tables, slots, columns=isinstance(teacher, TokenMass))
         if isinstance(teacher, TokenMass):
             teacher.check(selection, rows, storage)
@@ -349,6 +350,7 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
     dq = torch.zeros((n, H, D), dtype=ct, device=dev) if grads else None
     dw = torch.zeros((n, H), dtype=ct, device=dev) if grads else None
     teacher, pts = plan.teacher, tables.pool_tok_start
+    ws = Workspace()
     for c, part in _chunks(rows, C):
         base = c * C
         off = rows[part] - base
@@ -358,14 +360,15 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
             cand = torch.full((C, slots), -1, dtype=torch.int64)
             cand[off] = data["cand"][part].cpu()
             valid = to_device(cand >= 0, dev)
-            keys = keys_ct.index_select(0, to_device(cand.clamp(min=0).reshape(-1), dev)).view(C, slots, D)
+            keys = torch.index_select(keys_ct, 0, to_device(cand.clamp(min=0).reshape(-1), dev),
+                                      out=ws.get("keys", (C * slots, D), ct, dev)).view(C, slots, D)  # fmt: skip
             if isinstance(teacher, TokenMass):
                 mass = _place(data["mass"][part], off_d, C)
             else:
                 qt, lt = _place(data["tq"][part], off_d, C), _place(data["tlse"][part], off_d, C)
                 tokens = pts[cand.clamp(min=0)][:, :, None] + torch.arange(K)
                 mass = teacher.sparse_mass(qt, lt, tokens.reshape(C, -1), K).to(ct)
-            out = sparse_chunk(Qc, Wc, keys, valid, mass, scale, grads)
+            out = sparse_chunk(Qc, Wc, keys, valid, mass, scale, grads, ws)
             if grads:  # empty slots (pool 0 stands in) add exact zeros: their ds, hence da, are 0
                 at = to_device(cand.clamp(min=0).reshape(-1), dev)
                 contrib = out.dkeys.reshape(-1, D)
@@ -386,11 +389,11 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
             valid = mine[:, None] & (cols[None] >= lo_c[:, None]) & (cols[None] < hi_c[:, None])
             valid = to_device(valid, dev)
             qt, lt = _place(data["tq"][part], off_d, C), _place(data["tlse"][part], off_d, C)
-            mass = teacher.dense_mass(qt, lt, pts[plo:phi], K, plan.block).to(ct)
+            mass = teacher.dense_mass(qt, lt, pts[plo:phi], K, plan.block, ws).to(ct)
             per_row = 0
             if grads and plan.exact:
                 per_row = max(1, plan.budget // (16 * (phi - plo) * D))
-            out = dense_chunk(Qc, Wc, keys_ct[plo:phi], valid, mass, scale, grads, per_row=per_row)
+            out = dense_chunk(Qc, Wc, keys_ct[plo:phi], valid, mass, scale, grads, per_row=per_row, ws=ws)
             if grads and plan.exact:
                 da, qq = out.dkeys
                 acc = torch.zeros((phi - plo, D), dtype=torch.int64, device=dev)
@@ -416,8 +419,7 @@ def _row_data(plan: _Plan, q, head_weights) -> tuple[torch.Tensor, dict]:
     ``tq``, ``tlse``; this rank's own rows, or with ``balance="causal"`` its compute range,
     moved from their owners."""
     dev, ct, teacher = q.device, plan.ct, plan.teacher
-    storage = to_device(plan.storage, dev)
-    data = {"q": q.detach().index_select(0, storage).to(ct), "w": head_weights.detach().index_select(0, storage).to(ct)}
+    data = {"q": take_rows(q.detach(), plan.storage).to(ct), "w": take_rows(head_weights.detach(), plan.storage).to(ct)}
     if plan.cand is not None:
         data["cand"] = to_device(plan.cand.pools, dev)
     if plan.mass is not None:

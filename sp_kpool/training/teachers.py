@@ -23,6 +23,7 @@ import torch
 
 from .._device import to_device
 from ..checks import FLOAT_DTYPES, check_float_dtype, check_float_tensor
+from ..comm import take_rows
 
 __all__ = ["TokenMass", "AttentionTeacher"]
 
@@ -50,23 +51,23 @@ class TokenMass:
         m = self.mass
         check_float_tensor("teacher.mass", m, tuple(selection.shape), selection.device)
         check_float_dtype("teacher.mass", m, FLOAT_DTYPES)
-        mine = m.index_select(0, to_device(storage, m.device)).cpu()
-        ids = selection.index_select(0, to_device(storage, selection.device)).cpu()
-        bad = ~torch.isfinite(mine) | (mine < 0)
-        if bool(bad.any()):
+        mine = take_rows(m, storage).cpu()
+        if not (bool(torch.isfinite(mine).all()) and (mine.numel() == 0 or float(mine.min()) >= 0)):
+            bad = ~torch.isfinite(mine) | (mine < 0)
             r, c = _first_bad(bad)
             raise ValueError(f"teacher.mass: expected finite values >= 0, got {float(mine[r, c])} at local row "
                              f"{int(storage[r])} (real row {int(rows[r])}) column {c}")  # fmt: skip
-        bad = (ids < 0) & (mine != 0)
-        if bool(bad.any()):
-            r, c = _first_bad(bad)
+        ids = take_rows(selection, storage).cpu()
+        unused = torch.where(ids < 0, mine, 0)
+        if unused.numel() and float(unused.max()) > 0:
+            r, c = _first_bad(unused > 0)
             raise ValueError(f"teacher.mass: expected 0 where the selection's id is -1 (column-aligned with the "
                              f"ids), got {float(mine[r, c])} at local row {int(storage[r])} column {c}")  # fmt: skip
 
     def candidate_mass(self, storage: torch.Tensor, col_slot: torch.Tensor, slots: int, dtype) -> torch.Tensor:
         """``[n, slots]``: each candidate's mass (the sum of its columns, in column order)
         for the rows at ``storage`` (``col_slot``: their columns' candidate slots)."""
-        mine = self.mass.index_select(0, to_device(storage, self.mass.device)).to("cpu", dtype)
+        mine = take_rows(self.mass, storage).to("cpu", dtype)
         out = torch.zeros((mine.shape[0], slots + 1), dtype=dtype)
         out.scatter_add_(1, torch.where(col_slot >= 0, col_slot, slots), mine)
         return out[:, :slots]
@@ -119,8 +120,7 @@ class AttentionTeacher:
         """Queries and log-sum-exps of this rank's rows at ``storage`` in ``ct`` (at least
         the teacher's own compute type)."""
         ct = torch.float64 if torch.float64 in (ct, self.compute_dtype()) else torch.float32
-        src = to_device(storage, self.q.device)
-        return self.q.index_select(0, src).to(ct), self.lse.index_select(0, src).to(ct)
+        return take_rows(self.q, storage).to(ct), take_rows(self.lse, storage).to(ct)
 
     def _reduce_heads(self, m: torch.Tensor) -> torch.Tensor:
         if self.head_group is not None:
@@ -140,10 +140,11 @@ class AttentionTeacher:
         return self._reduce_heads(m)
 
     def dense_mass(self, q: torch.Tensor, lse: torch.Tensor, pool_tok_start: torch.Tensor, kpool: int,
-                   block: int) -> torch.Tensor:  # fmt: skip
+                   block: int, ws=None) -> torch.Tensor:  # fmt: skip
         """``[C, N]``: the mass of pools ``pool_tok_start [N]`` for the chunk's rows, streamed
         over blocks of ``block`` pools (``C * Hq * block * K`` scratch values). Pools a row
-        cannot see hold anything (even ``inf``): the caller masks them."""
+        cannot see hold anything (even ``inf``): the caller masks them. ``ws``: a
+        :class:`~sp_kpool.training.student.Workspace` for the logits."""
         ct, (C, Hq, Dqk) = q.dtype, q.shape
         n = pool_tok_start.numel()
         out = q.new_empty((C, n))
@@ -153,6 +154,7 @@ class AttentionTeacher:
             b = min(n, a + block)
             tok = (pool_tok_start[a:b, None] + slots).reshape(-1)
             keys = self.k.index_select(0, to_device(tok, self.k.device)).to(ct)
-            logits = torch.matmul(flat, keys.t()).view(C, Hq, -1).mul_(self.scale).sub_(lse[:, :, None])
+            buf = None if ws is None else ws.get("teacher", (C * Hq, keys.shape[0]), ct, q.device)
+            logits = torch.mm(flat, keys.t(), out=buf).view(C, Hq, -1).mul_(self.scale).sub_(lse[:, :, None])
             out[:, a:b] = logits.exp_().sum(dim=1).view(C, b - a, kpool).sum(dim=2)
         return self._reduce_heads(out)
