@@ -25,6 +25,7 @@ import zlib
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._device import to_device
 from ..agreement import _agree, _check_seq, tensor_codes
@@ -34,9 +35,9 @@ from ..config import KPoolConfig, RunOptions, split_keywords
 from ..settings import Settings, current_settings
 from ..sharding import ShardedSequence
 from . import fixed_point as fx
+from .balance import to_computers, to_owners, training_partition
 from .pools import gather_pools_for_training, pool_block_grads, pool_grads_to_owners, token_grads_to_owners
 from .rows import RowTables, SparseCandidates, row_tables, sparse_candidates
-from .balance import to_computers, to_owners, training_partition
 from .student import Workspace, dense_chunk, dense_row_terms, sparse_chunk
 from .teachers import AttentionTeacher, TokenMass
 
@@ -274,7 +275,9 @@ def indexer_kl_loss(
     streams over blocks of pools. ``stats``: a dict filled with this rank's view:
     ``chunk_rows`` (of the global grid), ``balance_applied`` and ``rows_computed``.
 
-    A collective over ``seq.group``: every rank calls it. Bad input on any rank raises the
+    A collective over ``seq.group``, and so is its backward: every rank calls it and runs
+    the backward (``loss.backward()`` on every rank, as for any loss under SP); a rank that
+    does not leaves the others to their ``comm_timeout``. Bad input on any rank raises the
     same ``ValueError``/``TypeError`` on every rank, naming the argument.
     """
     tensors = {"q": q, "k": k, "gates": gates, "head_weights": head_weights, "ape": ape}
@@ -307,6 +310,7 @@ class _KLLoss(torch.autograd.Function):
         return value
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return (None, *_backward(ctx.plan, ctx.saved, ctx.meta, g))
 
@@ -408,7 +412,7 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
         if grads:
             dq.index_copy_(0, sel, out.dq.index_select(0, off_d))
             dw.index_copy_(0, sel, out.dw.index_select(0, off_d))
-    value, e_loss = _loss_value(plan, terms, scale)
+    value = _loss_value(plan, terms, scale)
     saved = dict(dq=dq, dw=dw, dpool=dpool, owned=owned, e_pool=e_pool, ape=ape.detach())
     return value, saved
 
@@ -432,12 +436,12 @@ def _row_data(plan: _Plan, q, head_weights) -> tuple[torch.Tensor, dict]:
     return rows, dict(zip(data, moved))
 
 
-def _loss_value(plan: _Plan, terms: torch.Tensor, scale: float) -> tuple[torch.Tensor, int]:
+def _loss_value(plan: _Plan, terms: torch.Tensor, scale: float) -> torch.Tensor:
     """This rank's share: the sum of its rows' terms times ``coeff / N`` (exact mode with
     ``global_rows``: the int64 sum over every rank, whole on rank 0)."""
     seq = plan.seq
     if not plan.exact:
-        return terms.sum() * scale, 0
+        return terms.sum() * scale
     top = fx.global_max([float(terms.max()) if terms.numel() else 0.0], seq, plan.timeout)[0]
     e = fx.exponent(top * max(1, seq.num_real_tokens))
     mine = fx.to_fixed(terms, e).sum()
@@ -446,7 +450,7 @@ def _loss_value(plan: _Plan, terms: torch.Tensor, scale: float) -> tuple[torch.T
         value = fx.from_fixed(total, e, plan.ct) * scale if seq.rank == 0 else torch.zeros((), dtype=plan.ct)
     else:
         value = fx.from_fixed(mine, e, plan.ct) * scale
-    return value.to(terms.device), e
+    return value.to(terms.device)
 
 
 def _backward(plan: _Plan, saved: dict, meta, g: torch.Tensor):
