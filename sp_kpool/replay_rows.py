@@ -124,32 +124,6 @@ def captured_rows(captures: Sequence[torch.Tensor], cu: torch.Tensor, rows: torc
             covered[a + sel] = True
     return vals, covered.to(device)
 
-    def int32(x: torch.Tensor) -> torch.Tensor:  # int64 values saturate (and then fail validation)
-        if x.dtype == torch.int64:
-            return x.to(device).clamp(-2, _BIG32 - 1).to(torch.int32)
-        return x.to(device, torch.int32)  # int32 and narrower
-
-    doc = torch.searchsorted(cu, rows, right=True) - 1
-    d_lo, d_hi = int(doc[0]), int(doc[-1]) + 1
-    bounds = torch.searchsorted(doc, torch.arange(d_lo, d_hi + 1), right=False).tolist()
-    for d in range(d_lo, d_hi):
-        a, b = bounds[d - d_lo], bounds[d - d_lo + 1]
-        if a == b:
-            continue
-        cap = captures[d]
-        j = rows[a:b] - cu[d]
-        n = int(cap.shape[0])
-        if int(j[-1]) < n:  # every row covered
-            vals[a:b, : cap.shape[1]] = int32(cap.index_select(0, j.to(cap.device)))
-            covered[a:b] = True
-            continue
-        sel = torch.nonzero(j < n).flatten()
-        if sel.numel():
-            vals[a + sel.to(device), : cap.shape[1]] = int32(cap.index_select(0, j[sel].to(cap.device)))
-            covered[a + sel] = True
-    return vals, covered.to(device)
-
-
 
 def _sorted_live(v: torch.Tensor, limit: torch.Tensor):
     """``v`` with invalid entries (``< 0`` or ``>= limit``) as a large value, sorted per row:
