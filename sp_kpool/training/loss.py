@@ -194,6 +194,8 @@ def _signature(plan: _Plan | None, tensors: dict, teacher, selection, normalize,
         ("selection", 1 if isinstance(selection, str) else 0, {0: "ids", 1: repr(selection)}),
         ("normalize (crc32)", crc(normalize)),
         ("determinism (crc32)", crc(determinism)),
+        # the exact mode's collectives run only when gradients are asked for
+        ("inputs require grad", int(any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors.values()))),
         ("coeff (crc32)", crc(coeff)),
     ]
     if plan is None:
@@ -345,11 +347,14 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
     n = rows.numel()
     scale = plan.coeff / max(plan.norm, 1)
     e_pool = 0
-    if grads and plan.exact:
+    # the pooled keys' partial gradient in int64 fixed point: the exact mode, and the sparse
+    # stage on CUDA, whose index_add_ of floats uses atomics (integer ones are order-free)
+    fixed = grads and (plan.exact or (dev.type == "cuda" and not plan.dense))
+    if fixed:
         mw, mq = fx.global_max([float(wr.abs().max()) if n else 0.0, float(qr.abs().max()) if n else 0.0], seq,
                                plan.timeout)  # fmt: skip
         e_pool = fx.exponent(2 * abs(scale) * H**0.5 * D**-0.5 * mw * mq * max(1, seq.num_real_tokens))
-    dpool = torch.zeros((tables.num_pools, D), dtype=torch.int64 if plan.exact else ct, device=dev) if grads else None
+    dpool = torch.zeros((tables.num_pools, D), dtype=torch.int64 if fixed else ct, device=dev) if grads else None
     terms = torch.zeros(n, dtype=ct, device=dev)
     dq = torch.zeros((n, H, D), dtype=ct, device=dev) if grads else None
     dw = torch.zeros((n, H), dtype=ct, device=dev) if grads else None
@@ -376,7 +381,7 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
             if grads:  # empty slots (pool 0 stands in) add exact zeros: their ds, hence da, are 0
                 at = to_device(cand.clamp(min=0).reshape(-1), dev)
                 contrib = out.dkeys.reshape(-1, D)
-                dpool.index_add_(0, at, fx.to_fixed(contrib, e_pool) if plan.exact else contrib)
+                dpool.index_add_(0, at, fx.to_fixed(contrib, e_pool) if fixed else contrib)
         else:
             every = torch.arange(base, min(base + C, seq.num_real_tokens))
             lo_t, hi_t = tables.vis_lo[every], tables.vis_hi[every]
@@ -413,7 +418,7 @@ def _forward(plan: _Plan, q, k, gates, head_weights, ape, grads: bool):
             dq.index_copy_(0, sel, out.dq.index_select(0, off_d))
             dw.index_copy_(0, sel, out.dw.index_select(0, off_d))
     value = _loss_value(plan, terms, scale)
-    saved = dict(dq=dq, dw=dw, dpool=dpool, owned=owned, e_pool=e_pool, ape=ape.detach())
+    saved = dict(dq=dq, dw=dw, dpool=dpool, owned=owned, e_pool=e_pool, fixed=fixed, ape=ape.detach())
     return value, saved
 
 
@@ -470,7 +475,7 @@ def _backward(plan: _Plan, saved: dict, meta, g: torch.Tensor):
     tables = plan.tables
     d_own = pool_grads_to_owners(saved["dpool"], seq, owned, tables.vis_lo, tables.vis_hi, timeout=plan.timeout,
                                  ranges=plan.ranges)  # fmt: skip
-    if plan.exact:
+    if saved["fixed"]:
         d_own = fx.from_fixed(d_own, saved["e_pool"], ct).to(dev)
     d_own = d_own * g
     D = k_shape[1]
