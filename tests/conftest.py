@@ -24,3 +24,19 @@ try:
         settings.load_profile("ci")
 except ImportError:  # hypothesis is a test dependency; tests that use it import it themselves
     pass
+
+
+try:
+    import pytest
+    import torch
+
+    @pytest.fixture(scope="module")
+    def one_thread():
+        """One torch thread for a module of tiny-matrix tests (fastest there, and kind to a
+        shared machine): ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        yield
+        torch.set_num_threads(before)
+except ImportError:  # torch is the package's dependency; without it nothing here runs anyway
+    pass

@@ -27,7 +27,8 @@ def training_case(lengths, *, heads=3, head_dim=8, kpool=2, seed=0, dtype=torch.
 
 
 def loss_and_grads(x, teacher_rows, seq, *, sparse: bool, teacher_kind: str, topk: int, mass_global=None, **kw):
-    """This rank's loss share and gradients (storage order) for ``seq``."""
+    """This rank's loss share, gradients (storage order), selection and the call's ``stats``
+    for ``seq``."""
     import sp_kpool
 
     local = {n: seq.local_rows(getattr(x, n)) for n in ("q", "k", "gates", "head_weights")}
@@ -46,8 +47,7 @@ def loss_and_grads(x, teacher_rows, seq, *, sparse: bool, teacher_kind: str, top
     loss = sp_kpool.indexer_kl_loss(*leaves, seq, teacher=teacher, selection=selection, topk=topk, kpool=K, stats=stats,
                                     **kw)  # fmt: skip
     grads = torch.autograd.grad(loss, leaves)
-    loss_and_grads.stats = stats
-    return loss.detach(), grads, selection
+    return loss.detach(), grads, selection, stats
 
 
 def compare_with_world1(rank, world_size, lengths, layout, kw, sparse, teacher_kind, topk, dtype, seed=0):
@@ -72,13 +72,13 @@ def compare_with_world1(rank, world_size, lengths, layout, kw, sparse, teacher_k
                                    topk=topk, kpool=x.ape.shape[0])  # fmt: skip
         g = torch.Generator().manual_seed(seed + 7)
         mass = (torch.rand(ids1.shape, generator=g, dtype=torch.float64) * (ids1 >= 0)).to(dtype)
-    l1, g1, _ = loss_and_grads(x, teacher, one, sparse=sparse, teacher_kind=teacher_kind, topk=topk, mass_global=mass,
+    l1, g1, _, _ = loss_and_grads(x, teacher, one, sparse=sparse, teacher_kind=teacher_kind, topk=topk, mass_global=mass,
                                **kw)  # fmt: skip
-    lw, gw, _ = loss_and_grads(x, teacher, seq, sparse=sparse, teacher_kind=teacher_kind, topk=topk, mass_global=mass,
+    lw, gw, _, stats = loss_and_grads(x, teacher, seq, sparse=sparse, teacher_kind=teacher_kind, topk=topk, mass_global=mass,
                                **kw)  # fmt: skip
-    lw2, gw2, _ = loss_and_grads(x, teacher, seq, sparse=sparse, teacher_kind=teacher_kind, topk=topk,
+    lw2, gw2, _, _ = loss_and_grads(x, teacher, seq, sparse=sparse, teacher_kind=teacher_kind, topk=topk,
                                  mass_global=mass, **kw)  # fmt: skip
-    balanced = loss_and_grads.stats["balance_applied"]
+    balanced = stats["balance_applied"]
     repeat = bool(torch.equal(lw, lw2)) and all(torch.equal(a, b) for a, b in zip(gw, gw2))
     losses = [torch.zeros_like(lw.reshape(1)) for _ in range(world_size)]
     dist.all_gather(losses, lw.reshape(1).contiguous())

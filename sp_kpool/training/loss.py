@@ -159,11 +159,11 @@ def _plan(q, k, gates, head_weights, ape, seq, teacher, selection, coeff, normal
             raise ValueError(f"selection: expected shape [{S}, {config.width}] (this call's ids: seq.shard_size "
                              f"rows, width of topk={config.topk}, kpool={K}, alignment={config.alignment}), "
                              f"got {list(selection.shape)}")  # fmt: skip
-        ids = seq.real_ids(take_rows(selection, storage).cpu().to(torch.int64))
+        stream_ids = take_rows(selection, storage).cpu()
+        ids = seq.real_ids(stream_ids.to(torch.int64))
         cand = sparse_candidates(ids, rows, tables, slots, columns=isinstance(teacher, TokenMass))
         if isinstance(teacher, TokenMass):
-            teacher.check(selection, rows, storage)
-            mass = teacher.candidate_mass(storage, cand.col_slot, slots, ct)
+            mass = teacher.candidate_mass(teacher.rows(selection, stream_ids, rows, storage), cand.col_slot, slots, ct)
     if isinstance(teacher, AttentionTeacher):
         teacher.check(seq)
         if teacher.q.device != dev:
@@ -459,7 +459,7 @@ def _loss_value(plan: _Plan, terms: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _backward(plan: _Plan, saved: dict, meta, g: torch.Tensor):
-    seq, ct, K = plan.seq, plan.ct, plan.config.kpool
+    seq, ct = plan.seq, plan.ct
     (q_shape, q_dtype, dev), (k_shape, k_dtype, _), (g_shape, g_dtype, _), (w_shape, w_dtype, _), (a_shape, a_dtype, _) = meta
     g = g.detach().to(ct)
     storage = to_device(plan.storage, dev)

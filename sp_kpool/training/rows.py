@@ -90,7 +90,6 @@ def sparse_candidates(ids: torch.Tensor, rows: torch.Tensor, tables: RowTables, 
     complete pool the row can see nor in its tail, when a pool appears with other than
     ``K`` of its ids (or an id twice), or a row has more than ``slots`` pools.
     """
-    K = tables.kpool
     n, width = ids.shape
     pools = torch.full((n, slots), -1, dtype=torch.int64)
     col_slot = torch.full((n, width), -1, dtype=torch.int64) if columns else None

@@ -45,9 +45,10 @@ class TokenMass:
 
     mass: torch.Tensor
 
-    def check(self, selection: torch.Tensor, rows: torch.Tensor, storage: torch.Tensor) -> None:
-        """``ValueError``/``TypeError`` naming ``teacher.mass`` (shape, dtype, values of the
-        real rows ``storage``)."""
+    def rows(self, selection: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows of ``mass`` (``[n, width]``, CPU), checked: ``ValueError`` /
+        ``TypeError`` naming ``teacher.mass`` (shape and dtype against ``selection``; values
+        finite, ``>= 0`` and ``0`` where ``ids``, the selection's rows ``storage``, are ``-1``)."""
         m = self.mass
         check_float_tensor("teacher.mass", m, tuple(selection.shape), selection.device)
         check_float_dtype("teacher.mass", m, FLOAT_DTYPES)
@@ -57,17 +58,18 @@ class TokenMass:
             r, c = _first_bad(bad)
             raise ValueError(f"teacher.mass: expected finite values >= 0, got {float(mine[r, c])} at local row "
                              f"{int(storage[r])} (real row {int(rows[r])}) column {c}")  # fmt: skip
-        ids = take_rows(selection, storage).cpu()
         unused = torch.where(ids < 0, mine, 0)
         if unused.numel() and float(unused.max()) > 0:
             r, c = _first_bad(unused > 0)
             raise ValueError(f"teacher.mass: expected 0 where the selection's id is -1 (column-aligned with the "
                              f"ids), got {float(mine[r, c])} at local row {int(storage[r])} column {c}")  # fmt: skip
+        return mine
 
-    def candidate_mass(self, storage: torch.Tensor, col_slot: torch.Tensor, slots: int, dtype) -> torch.Tensor:
-        """``[n, slots]``: each candidate's mass (the sum of its columns, in column order)
-        for the rows at ``storage`` (``col_slot``: their columns' candidate slots)."""
-        mine = take_rows(self.mass, storage).to("cpu", dtype)
+    @staticmethod
+    def candidate_mass(mine: torch.Tensor, col_slot: torch.Tensor, slots: int, dtype) -> torch.Tensor:
+        """``[n, slots]``: each candidate's mass (the sum of its columns, in column order) from
+        the rows ``mine`` of :meth:`rows` (``col_slot``: their columns' candidate slots)."""
+        mine = mine.to(dtype)
         out = torch.zeros((mine.shape[0], slots + 1), dtype=dtype)
         out.scatter_add_(1, torch.where(col_slot >= 0, col_slot, slots), mine)
         return out[:, :slots]

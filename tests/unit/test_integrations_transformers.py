@@ -76,13 +76,7 @@ def row_sets(ids):
     return [[frozenset(v for v in r.tolist() if v >= 0) for r in row] for row in ids]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is fastest (and kind to a shared machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny matrices, one thread
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 
 import sp_kpool
 from sp_kpool import AttentionTeacher, TokenMass, indexer_kl_loss
-from sp_kpool.testing.dist import RanksFailed, run_ranks
+from sp_kpool.testing.dist import run_ranks
 from sp_kpool.testing.kl_reference import kl_loss_reference
 from sp_kpool.testing.problems import layout_seqs
 from sp_kpool.testing.training_checks import NAMES, compare_with_world1, training_case

@@ -27,13 +27,7 @@ from sp_kpool import AttentionTeacher, ShardedSequence, TokenMass, indexer_kl_lo
 from megatron_ref import dsa_indexer_loss
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is fastest (and kind to a shared machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny matrices, one thread
 
 
 def _cu(lengths):
