@@ -113,10 +113,12 @@ def kpool_topk(
             tensor of storage rows in ``[0, S_local)`` (any order, repeats allowed); the
             call stays a collective (every rank calls, each with its own rows, possibly
             none; pass ``rows`` on every rank or on none). The rows asked for are bit for
-            bit the full call's; every other row is ``-1``. Only the scoring chunks that
-            hold a row asked for are scored, each as in the full call (a row's scores may
-            depend on the rows sharing its BLAS call: on the CPU they do); the keys are
-            still gathered and pooled whole. With ``balance="causal"`` the partition is
+            bit the full call's; every other row is ``-1``. Only the rows asked for are
+            scored, each against its global chunk's pools, where the backend's cells do not
+            depend on the call's other rows (``Backend.scores_row_subsets``: ``triton``,
+            ``deepgemm``, ``torch`` on the CPU); elsewhere the chunks that hold a row asked
+            for are scored whole, as in the full call. The keys are still gathered and
+            pooled whole. With ``balance="causal"`` the partition is
             not applied (it balances every row's work; ``stats["balance_applied"]`` is
             ``False``); the scoring chunk stays the balanced call's.
         stats: if a dict, it is filled with this rank's instrumented communication bytes
@@ -130,7 +132,8 @@ def kpool_topk(
             scoring calls (``scored_cells``: zero rows included, so more than
             ``causal_pairs`` where a layout leaves rows of a chunk to other ranks; the
             ``deepgemm`` and ``triton`` backends score each span of their rows in chunks
-            of their own, the others whole chunks of the global grid), ``rows`` (the real
+            of their own, the others whole chunks of the global grid; with ``rows=``,
+            see ``rows``), ``rows`` (the real
             rows computed here with ``rows=``, ``None`` without; then ``rows_scored`` and
             ``causal_pairs`` are theirs), the
             pools built here (``pools_built``) and the ``layout``. Never compared across

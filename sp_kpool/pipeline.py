@@ -56,7 +56,7 @@ from .backends.base import PoolInputs, Pools, Problem, Queries, QueryInputs
 from .balance import move_queries, route_pools, row_work
 from .comm import gather_keys, real_order, take_rows
 from .config import KPoolConfig, RunOptions
-from .plan import ChunkPlan, Span, plan_chunks, rank_spans, row_spans
+from .plan import ChunkPlan, Span, plan_chunks, plan_rows, rank_spans, row_spans
 from .pool_gather import gather_pools, pool_owners, pool_shards
 from .pooling import pool_table
 from .scoring import select_chunks
@@ -119,6 +119,7 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     q, head_weights = problem.q, problem.head_weights
     owned = seq.real_rows()  # this rank's real rows, ascending (its storage order: seq.storage_index())
     storage = None  # the storage rows of the rows computed here (None: every real row)
+    subset = None  # rows=, on a backend that scores row subsets: the global rows asked for (plan_rows)
     if call.balanced:  # 3. partition: this rank scores the rows of its compute range
         computed = call.partition.ranges
         with stage(record, "balance_exchange", device):
@@ -127,7 +128,10 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     elif call.rows is not None:  # rows=: only the rows asked for, in spans of the chunks holding them
         owned, storage = owned[call.rows], seq.storage_index()[call.rows]
         q_rows, w_rows = take_rows(q, storage), take_rows(head_weights, storage)
-        spans = row_spans(row_runs(owned), C, owned)
+        if backend.scores_row_subsets(device):  # those rows alone, in one span of their own positions
+            subset, spans = owned, [Span(0, owned.numel())]
+        else:  # the chunks of the global grid that hold them, the other rows zero rows
+            spans = row_spans(row_runs(owned), C, owned)
     else:
         if seq.is_contiguous:  # the real rows are the first rows of the shard
             q_rows, w_rows = q[: owned.numel()], head_weights[: owned.numel()]
@@ -137,9 +141,12 @@ def _compute(call: Call, pooled: Pools | None) -> Computed:
     k_sel = problem.topk // problem.kpool
     pools, queries, parts, offset, done = pooled, None, [], 0, []
     for span in spans or [Span(0, 0)]:
-        plan = plan_chunks(seq, problem.kpool, C, span.lo, span.hi, device, runs=span.runs,  # 4. plan
-                           cache=problem.settings.table_cache and call.rows is None,
-                           row_local=backend.row_local_scores)  # fmt: skip
+        if subset is not None:  # 4. plan
+            plan = plan_rows(seq, problem.kpool, C, subset, device)
+        else:
+            plan = plan_chunks(seq, problem.kpool, C, span.lo, span.hi, device, runs=span.runs,
+                               cache=problem.settings.table_cache and call.rows is None,
+                               row_local=backend.row_local_scores)  # fmt: skip
         n = span.rows
         if not plan.chunks:  # no rows scored here, or no complete pool at all
             parts.append(torch.full((n, k_sel), -1, dtype=torch.int32, device=device))

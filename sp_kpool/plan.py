@@ -51,7 +51,7 @@ from .pooling import extend_pools
 from .selection import RowMeta, row_meta
 
 __all__ = ["Chunk", "ChunkPlan", "TableCache", "Span", "plan_chunks", "row_spans", "rank_spans", "grid_span",
-           "local_chunks", "pad_rows", "row_ranges_torch"]  # fmt: skip
+           "local_chunks", "pad_rows", "row_ranges_torch", "plan_rows"]  # fmt: skip
 
 
 def grid_span(C: int, lo_row: int, hi_row: int, origin: int = 0) -> tuple[int, int]:
@@ -191,6 +191,11 @@ class ChunkPlan:
     #: ``lo_row``, :func:`local_chunks`; scored from views of the rows computed here, no zero
     #: rows: :meth:`padding` is ``(0, 0)``); ``False``: the global grid
     row_local: bool = False
+    #: a plan of row subsets (:func:`plan_rows`): the global real rows (int64 CPU, ascending) of
+    #: the plan's positions ``0 .. hi_row - 1``; its chunks' ``first``/``end`` are positions,
+    #: and each chunk holds the rows of one chunk of the global grid against that chunk's pool
+    #: range. ``None``: positions are global rows.
+    row_ids: torch.Tensor | None = None
     _ranges: torch.Tensor | None = field(default=None, repr=False)
     _meta: RowMeta | None = field(default=None, repr=False)
 
@@ -198,6 +203,13 @@ class ChunkPlan:
     def first(self) -> int:
         """Global row of the first chunk's first row."""
         return grid_span(self.rows, self.lo_row, self.hi_row, self.lo_row if self.row_local else 0)[0]
+
+    def global_rows(self, a: int, b: int) -> tuple[int, int]:
+        """The global rows ``[first, last + 1)`` that hold the plan's positions ``[a, b)``
+        (``a < b``): themselves, or in a plan of row subsets their first and last row's."""
+        if self.row_ids is None:
+            return a, b
+        return int(self.row_ids[a]), int(self.row_ids[b - 1]) + 1
 
     def computed(self, chunk: Chunk) -> tuple[int, int]:
         """``(a, b)``: the rows of ``chunk`` in ``[lo_row, hi_row)``."""
@@ -217,6 +229,8 @@ class ChunkPlan:
         """``[2, n_chunks * C]`` int32: each row's ``[start, end)`` relative to its chunk's
         pool range, on the chunk grid (rows not in ``[lo_row, hi_row)`` empty). Built on
         first use (one kernel launch on CUDA with Triton, torch ops elsewhere), then kept."""
+        if self._ranges is None and self.row_ids is not None:
+            self._ranges = self._subset_ranges()
         if self._ranges is None:
             args = (self.cu, self.offs, self.bounds, self.lo_row, self.hi_row, self.first, self.rows, self.kpool)
             if _device.on_gpu(self.bounds.device) and probe("triton")[0] is not None:
@@ -238,9 +252,27 @@ class ChunkPlan:
         """Causal metadata of the rows ``[lo_row, hi_row)`` (built on first use, then kept:
         its small kernels queue behind the scoring instead of delaying the first one)."""
         if self._meta is None:
-            rows = torch.arange(self.lo_row, self.hi_row, device=self.bounds.device)
+            rows = torch.arange(self.lo_row, self.hi_row, device=self.bounds.device) if self.row_ids is None else \
+                to_device(self.row_ids, self.bounds.device)
             self._meta = row_meta(rows, self.cu, self.offs, self.kpool)
         return self._meta
+
+    def _subset_ranges(self) -> torch.Tensor:
+        """:attr:`ranges` of a plan of row subsets: chunk ``i``'s rows at ``i * C ..``."""
+        device = self.bounds.device
+        ranges = torch.zeros((2, len(self.chunks) * self.rows), dtype=torch.int32, device=device)
+        if not self.chunks:
+            return ranges
+        meta = self.meta
+        sizes = torch.tensor([c.end - c.first for c in self.chunks])
+        which = to_device(torch.repeat_interleave(torch.arange(len(self.chunks)), sizes), device)
+        at = which * self.rows + torch.arange(self.hi_row, device=device) - self.bounds.new_tensor(
+            [c.first for c in self.chunks])[which]  # fmt: skip
+        clo, chi = self.bounds[which, 0], self.bounds[which, 1]
+        r_start = (meta.pool_lo - clo).clamp_(min=0)
+        ranges[0, at] = r_start.to(torch.int32)
+        ranges[1, at] = torch.maximum(r_start, torch.minimum(meta.pool_hi, chi) - clo).to(torch.int32)
+        return ranges
 
 
 def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, *,
@@ -273,40 +305,75 @@ def plan_chunks(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch
 
 def _build(seq, kpool: int, C: int, lo_row: int, hi_row: int, device: torch.device, runs=None,
            row_local: bool = False) -> ChunkPlan:  # fmt: skip
-    K = kpool
     origin = 0
     if row_local:
         C, origin = local_chunks(lo_row, hi_row, C), lo_row
-    cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
-    offs = [0]
-    for d in range(len(cu) - 1):
-        offs.append(offs[-1] + (cu[d + 1] - cu[d]) // K)
-    P = offs[-1]
+    grid = _Grid(seq, kpool)
     chunks = []
-    if hi_row > lo_row and P:
-
-        def doc(r):  # document of the real row r
-            return bisect.bisect_right(cu, r) - 1
-
+    if hi_row > lo_row and grid.num_pools:
         for i, g0 in enumerate(range(*grid_span(C, lo_row, hi_row, origin), C)):
             g1 = min(g0 + C, seq.num_real_tokens)
-            d0, d1 = doc(g0), doc(g1 - 1)
-            chunks.append(Chunk(i, g0, g1, offs[d0], offs[d1] + (g1 - 1 - cu[d1] + 1) // K))
-    shift = [cu[d] - offs[d] * K for d in range(len(cu) - 1)]  # pool p of doc d starts at shift[d] + p * K
-    ext = extend_pools(seq.real_cu_seq_lens, seq.prompt_lens, K) if seq.has_prompts else None
-    ext = ext if ext is not None and bool(ext.any()) else None
-    host = torch.tensor(cu + offs + shift + [v for c in chunks for v in (c.pool_lo, c.pool_hi)], dtype=torch.int64)
-    if ext is not None:  # in the same one copy
-        host = torch.cat([host, ext.to(torch.int64)])
-    flat = to_device(host, device)
-    n, nb = len(cu), 2 * len(chunks)
-    cu_d, offs_d, shift_d = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n - 1]
-    bounds = flat[3 * n - 1 : 3 * n - 1 + nb].view(-1, 2)
-    extend = flat[3 * n - 1 + nb :] != 0 if ext is not None else None
-    pid = torch.arange(P, device=device)
-    pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
-    return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds, extend, runs=runs,
-                     row_local=row_local)  # fmt: skip
+            chunks.append(Chunk(i, g0, g1, *grid.pools_of(g0, g1)))
+    return grid.plan(C, lo_row, hi_row, chunks, device, runs=runs, row_local=row_local)
+
+
+def plan_rows(seq, kpool: int, C: int, rows: torch.Tensor, device: torch.device) -> ChunkPlan:
+    """The :class:`ChunkPlan` of the real rows ``rows`` of ``seq`` alone (int64 CPU,
+    ascending; ``kpool_topk(rows=)``), for a backend whose cells do not depend on the
+    call's other rows (:meth:`~sp_kpool.backends.base.Backend.scores_row_subsets`): the
+    plan's positions ``0 .. n - 1`` are those rows (:attr:`ChunkPlan.row_ids`), and each
+    chunk of the global grid of ``C`` rows that holds some of them gives one chunk of just
+    those rows, scored against the grid chunk's pool range, so a row's cells are made
+    against the same pools as in the full call, and no row that was not asked for is
+    scored. Not cached (the rows change from call to call)."""
+    grid = _Grid(seq, kpool)
+    chunks = []
+    if rows.numel() and grid.num_pools:
+        cells, counts = torch.unique_consecutive(rows // C, return_counts=True)
+        pos = 0
+        for i, (g, n) in enumerate(zip(cells.tolist(), counts.tolist())):
+            g0 = g * C
+            chunks.append(Chunk(i, pos, pos + n, *grid.pools_of(g0, min(g0 + C, seq.num_real_tokens))))
+            pos += n
+    return grid.plan(C, 0, rows.numel(), chunks, device, row_local=True, row_ids=rows)
+
+
+class _Grid:
+    """The pool arithmetic of ``seq``'s real documents (host ints): each document's first
+    pool, and the pool range of a chunk of global rows; :meth:`plan` makes the tables."""
+
+    def __init__(self, seq, kpool: int):
+        self.seq, self.kpool = seq, kpool
+        self.cu = [int(v) for v in seq.real_cu_seq_lens.tolist()]
+        offs = [0]
+        for d in range(len(self.cu) - 1):
+            offs.append(offs[-1] + (self.cu[d + 1] - self.cu[d]) // kpool)
+        self.offs, self.num_pools = offs, offs[-1]
+
+    def pools_of(self, g0: int, g1: int) -> tuple[int, int]:
+        """``(pool_lo, pool_hi)`` of the global rows ``[g0, g1)``: from the first pool of
+        ``g0``'s document to the last pool that row ``g1 - 1`` sees."""
+        cu, offs = self.cu, self.offs
+        d0, d1 = bisect.bisect_right(cu, g0) - 1, bisect.bisect_right(cu, g1 - 1) - 1
+        return offs[d0], offs[d1] + (g1 - 1 - cu[d1] + 1) // self.kpool
+
+    def plan(self, C: int, lo_row: int, hi_row: int, chunks: list, device: torch.device, **kw) -> ChunkPlan:
+        """The plan of ``chunks`` with its tables on ``device`` (one host-to-device copy)."""
+        seq, K, cu, offs, P = self.seq, self.kpool, self.cu, self.offs, self.num_pools
+        shift = [cu[d] - offs[d] * K for d in range(len(cu) - 1)]  # pool p of doc d starts at shift[d] + p * K
+        ext = extend_pools(seq.real_cu_seq_lens, seq.prompt_lens, K) if seq.has_prompts else None
+        ext = ext if ext is not None and bool(ext.any()) else None
+        host = torch.tensor(cu + offs + shift + [v for c in chunks for v in (c.pool_lo, c.pool_hi)], dtype=torch.int64)
+        if ext is not None:  # in the same one copy
+            host = torch.cat([host, ext.to(torch.int64)])
+        flat = to_device(host, device)
+        n, nb = len(cu), 2 * len(chunks)
+        cu_d, offs_d, shift_d = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n - 1]
+        bounds = flat[3 * n - 1 : 3 * n - 1 + nb].view(-1, 2)
+        extend = flat[3 * n - 1 + nb :] != 0 if ext is not None else None
+        pid = torch.arange(P, device=device)
+        pts = shift_d[torch.searchsorted(offs_d, pid, right=True) - 1] + pid * K if P else pid
+        return ChunkPlan(C, lo_row, hi_row, K, tuple(chunks), P, pts, cu_d, offs_d, bounds, extend, **kw)
 
 
 def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: int, kpool: int) -> torch.Tensor:

@@ -60,7 +60,8 @@ def chunk_calls(plan: ChunkPlan, queries: Queries, *, views_first: bool = True) 
     C, first = plan.rows, queries.first
     ranges = plan.ranges if plan.chunks else None
     p1 = first + queries.q.shape[0]  # the prepared rows are the global rows [first, p1)
-    whole = [first <= c.first and c.first + C <= p1 for c in plan.chunks]
+    # (a plan of row subsets has chunks of fewer than C rows: views of their rows, below)
+    whole = [first <= c.first and c.first + C <= p1 and plan.row_ids is None for c in plan.chunks]
     order = sorted(range(len(whole)), key=lambda i: not whole[i]) if views_first else range(len(whole))
     for i in order:
         c = plan.chunks[i]
@@ -136,7 +137,7 @@ def select_chunks(backend: Backend, problem: Problem, pools: Pools, queries: Que
             visible = (cols[None] >= row_starts[:, None]) & (cols[None] < row_ends[:, None])
         if out is None:  # allocated after the first scoring launch, not before
             out = torch.empty((hi_row - lo_row, k_sel), dtype=torch.int32, device=device)
-        short = short_rows_hint(cu, a, b, k_sel, problem.kpool)
+        short = short_rows_hint(cu, *plan.global_rows(a, b), k_sel, problem.kpool)
         with stage(record, "select", device):
             # straight into this chunk's output rows, every element written
             select_pools(scores, visible, k_sel, col0, row_ends, order=problem.order, starts=row_starts,

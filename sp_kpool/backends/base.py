@@ -229,6 +229,13 @@ class Backend:
     #: the others zero rows, so every rank makes the same call for it.
     row_local_scores: bool = False
 
+    def scores_row_subsets(self, device: torch.device) -> bool:
+        """Whether a cell's bits depend only on its row's prepared inputs, its pool, the heads
+        and the pool range of its chunk of the global grid, never on which other rows of that
+        chunk are in the call or where: then ``kpool_topk(rows=)`` scores only the rows asked
+        for (:func:`sp_kpool.plan.plan_rows`). True with :attr:`row_local_scores`."""
+        return self.row_local_scores
+
     def not_supported_reasons(self, problem: Problem) -> list[str]:
         """Why this backend cannot run ``problem`` (empty list: it can)."""
         reasons = []

@@ -18,10 +18,15 @@ from __future__ import annotations
 import torch
 
 from .. import serving, serving_scores
+from ..plan import pad_rows
 from ..pooling import compress_pools_bf16
 from .base import Backend, ChunkScores, PoolInputs, Pools, Problem, Queries, QueryInputs
 
-__all__ = ["TorchBackend"]
+__all__ = ["TorchBackend", "MIN_CALL_ROWS"]
+
+#: Fewest query rows of one scoring call (fewer are padded with zero rows): see
+#: :meth:`TorchBackend.scores_row_subsets`.
+MIN_CALL_ROWS = 16
 
 
 class TorchBackend(Backend):
@@ -60,16 +65,29 @@ class TorchBackend(Backend):
         # [C, H, N] FP32 per-head scores + [C, N] FP32 logits + [C, N] int64 sort keys.
         return 4 * (problem.heads + 1) + 8
 
+    def scores_row_subsets(self, device: torch.device) -> bool:
+        """On the CPU: a call of at least :data:`MIN_CALL_ROWS` rows (fewer are padded with
+        zero rows) gives every cell the bits it has in any other call of the same pool range,
+        whichever rows share it and wherever the row sits (PyTorch's CPU matmul computes each
+        cell of such a call in one order; calls of fewer than about 8 matrix rows take
+        another path; ``tests/unit/test_row_subset.py`` checks it). The head sum's bits
+        depend on the pool range, which the chunks of the global grid fix. On CUDA, cuBLAS
+        chooses its kernel by the call's shape: no."""
+        return device.type == "cpu"
+
     def score(self, problem: Problem, pools: Pools, q, w, lo: int, hi: int, starts=None, ends=None) -> ChunkScores:
+        n = q.shape[0]
+        if n < MIN_CALL_ROWS:  # the same matmul path for every call (scores_row_subsets)
+            q, w = pad_rows(q, 0, MIN_CALL_ROWS - n), pad_rows(w, 0, MIN_CALL_ROWS - n)
         if problem.precision == "fp8":
             q8, wq = serving.prepare_queries_fp8(q, w)
             logits = serving_scores.mqa_logits_fp8_reference(q8, wq, pools.keys[lo:hi], pools.scales[lo:hi],
                                                       chunk_rows=q.shape[0])  # fmt: skip
-            return ChunkScores(logits)
+            return ChunkScores(logits[:n])
         C, H, D = q.shape
         with torch.autocast(q.device.type, enabled=False):
             keys = pools.keys[lo:hi].float()  # [N, D]
             s = torch.matmul(q.float().reshape(C * H, D), keys.t())  # [C*H, N]
             s = torch.relu_(s.mul_(D**-0.5)).view(C, H, -1)
             wf = (w.float() * H**-0.5).unsqueeze(1)  # [C, 1, H]
-            return ChunkScores(torch.bmm(wf, s).squeeze(1))  # [C, N]
+            return ChunkScores(torch.bmm(wf, s).squeeze(1)[:n])  # [C, N]

@@ -1,7 +1,7 @@
 """``kpool_topk(rows=)``: only the rows asked for are computed, bit for bit the full call's.
 
 The torch backend on the CPU scores each chunk's requested rows alone
-(``Backend.row_subset_scores``): the first test shows that a row's score cells there do not
+(``Backend.scores_row_subsets``, :func:`sp_kpool.plan.plan_rows`): the first test shows that a row's score cells there do not
 depend on which other rows share its scoring call (for every precision), which is what makes
 the rows' ids the full call's. The others compare ``rows=`` with the full call for every
 layout, at 1-4 simulated ranks (in one process) and on 2-4 gloo ranks, with empty row sets on
@@ -66,27 +66,33 @@ def _mask(rows: torch.Tensor, n: int) -> torch.Tensor:
     return mask
 
 
-def test_torch_cpu_scores_depend_on_the_rows_sharing_the_call_so_rows_keeps_the_chunk_shapes():
-    # the torch backend's scores are one BLAS matmul per chunk: on the CPU (MKL, torch 2.13)
-    # a row scored alone can differ in the last bit from the same row in its chunk (here at
-    # H 8, D 16 against 2 pools; at H 32, D 128 no difference was seen). So rows= scores a
-    # chunk holding a requested row as the full call does (C rows, the others zero rows)
-    x = make_inputs([300, 90], heads=8, head_dim=16, kpool=KPOOL, seed=1)
+@pytest.mark.parametrize("precision", ["bf16", "bf16-serving", "fp8"])
+@pytest.mark.parametrize("heads, head_dim", [(1, 16), (4, 64), (8, 16), (32, 128)])
+def test_torch_cpu_score_cells_do_not_depend_on_the_rows_sharing_the_call(precision, heads, head_dim):
+    # what lets rows= score the rows asked for alone on the torch backend: every cell of a
+    # chunk's call keeps its bits when the row is scored alone, with a few others, or at
+    # another position of the call (the pool range fixed, as the global grid fixes it). At
+    # H 1 a call of one row takes another matmul path: the backend pads calls to 16 rows
+    x = make_inputs([300, 90], heads=heads, head_dim=head_dim, kpool=KPOOL, seed=heads)
     seq = ShardedSequence.split(x.cu_seq_lens, 1, 0)
-    c = run_gathered(shard_inputs(x, seq), seq, KPoolConfig(topk=TOPK, kpool=KPOOL, max_logits_bytes=64 * 4 * 200))
+    config = KPoolConfig(topk=TOPK, kpool=KPOOL, precision=precision, max_logits_bytes=64 * 4 * 200 * heads)
+    c = run_gathered(shard_inputs(x, seq), seq, config)
     problem = c.call.problem
     backend = resolve_backend("torch", problem)
-    differ = 0
+    assert backend.scores_row_subsets(torch.device("cpu")) and not backend.scores_row_subsets(torch.device("cuda"))
+    g = torch.Generator().manual_seed(heads)
+    calls = 0
     for call in chunk_calls(c.plan, c.queries):
         if call.q is None:
             continue
         lo, hi = call.chunk.pool_lo, call.chunk.pool_hi
         whole = backend.score(problem, c.pools, call.q, call.w, lo, hi).scores
-        alone = backend.score(problem, c.pools, call.q[:1], call.w[:1], lo, hi).scores
-        differ += not torch.equal(alone, whole[:1])
-    if not differ:
-        pytest.skip("this BLAS gives a row the same bits alone as in its chunk")
-    assert not backend.row_local_scores  # so the pipeline keeps the global grid's call shapes
+        n = call.q.shape[0]
+        for pick in (torch.tensor([0]), torch.tensor([n - 1]), torch.randperm(n, generator=g)[: max(1, n // 3)]):
+            part = backend.score(problem, c.pools, call.q[pick], call.w[pick], lo, hi).scores
+            assert torch.equal(part, whole[pick]), (call.chunk, pick.tolist())
+        calls += 1
+    assert calls >= 2
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -109,9 +115,9 @@ def test_rows_equal_the_full_call_simulated_ranks(layout, world_size):
                 assert bool((got[~mask] == -1).all())
 
 
-def test_rows_score_only_the_chunks_holding_rows_asked_for():
-    # rows in the first and the last chunks of one document: the chunks between are not
-    # scored; the chunks holding a requested row are scored whole (the full call's shapes)
+def test_rows_score_only_the_rows_asked_for():
+    # rows in the first and the last chunks of one document: only those rows are scored, each
+    # against the pool range of its chunk of the global grid (the full call's)
     n = 2048
     x = make_inputs([n], heads=2, head_dim=8, kpool=KPOOL, seed=0)
     seq = ShardedSequence.split(x.cu_seq_lens, 1, 0)
@@ -126,10 +132,9 @@ def test_rows_score_only_the_chunks_holding_rows_asked_for():
     assert part["causal_pairs"] == sum((int(r) + 1) // KPOOL for r in rows)
     plan = run_gathered(inp, seq, KPoolConfig(**opts)).plan
     C = plan.rows
-    asked = {int(r) // C for r in rows}
-    expected = sum(C * (c.pool_hi - c.pool_lo) for c in plan.chunks if c.first // C in asked)
-    assert len(asked) < len(plan.chunks) // 2
-    assert part["scored_cells"] == expected < full["scored_cells"]
+    width = {c.first // C: c.pool_hi - c.pool_lo for c in plan.chunks}
+    expected = sum(width[int(r) // C] for r in rows)
+    assert part["scored_cells"] == expected and expected * 8 < full["scored_cells"]
 
 
 @pytest.mark.parametrize("rows, text", [
