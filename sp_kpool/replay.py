@@ -76,6 +76,7 @@ from .replay_rows import (
     _first_problem,
     _reason,
     captured_rows,
+    narrow_dtype,
     select_rows,
 )
 from .selection import assemble, row_meta
@@ -295,11 +296,12 @@ def _replay_local(captures, seq: ShardedSequence, cfg: KPoolConfig, pools: bool,
     first_bad = None
     for a in range(0, R, step):
         b = min(R, a + step)
-        vals, covered[a:b] = captured_rows(captures, cu, rows[a:b], dev, W)
+        vals, covered[a:b] = captured_rows(captures, cu, rows[a:b], dev, W, narrow_dtype(captures) if pools else
+                                           torch.int32)  # fmt: skip
         bad, selected[a:b] = select_rows(vals, j_all[a:b], K, T, pools, capture_order, k_sel)
         if first_bad is None and bool(bad.any()):  # the first bad row (real-row order) and its captured row
             i = int(torch.nonzero(bad)[0])
-            first_bad = (a + i, vals[i].clone())
+            first_bad = (a + i, vals[i].to(torch.int32))
     if first_bad is not None:
         i, row = first_bad
         d, j, length = int(doc[i]), int(j_all[i]), int(length_all[i])

@@ -77,16 +77,25 @@ def _captures(captured: Any, seq: ShardedSequence) -> list[torch.Tensor]:
     return out
 
 
+def narrow_dtype(captures: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype :func:`captured_rows` reads pool-id captures into: ``int16`` when every
+    capture is 8- or 16-bit signed or 8-bit unsigned (no copy widens them: the passes and the
+    sort run on half the bytes), else ``int32``."""
+    narrow = (torch.int8, torch.uint8, torch.int16)
+    return torch.int16 if captures and all(c.dtype in narrow for c in captures) else torch.int32
+
+
 def captured_rows(captures: Sequence[torch.Tensor], cu: torch.Tensor, rows: torch.Tensor, device,
-                  width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  width: int | None = None, dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The captured rows of real rows ``rows`` (ascending int64 CPU; ``cu`` the real documents'
-    boundaries): ``(values [R, W] int32, covered [R] bool)`` on ``device``, ``W`` the widest
+    boundaries): ``(values [R, W], covered [R] bool)`` on ``device``, ``W`` the widest
     capture (or ``width``), ``-1`` past a document's width and in rows the capture does not
-    cover."""
+    cover. ``dtype``: ``int32``, or ``int16`` where every capture fits it
+    (:func:`narrow_dtype`)."""
     if width is None:
         width = max((int(c.shape[1]) for c in captures), default=0)
     R = rows.numel()
-    vals = torch.empty((R, width), dtype=torch.int32, device=device)  # every entry written below
+    vals = torch.empty((R, width), dtype=dtype, device=device)  # every entry written below
     covered = torch.zeros(R, dtype=torch.bool)
     if R == 0:
         return vals, covered.to(device)
@@ -118,7 +127,7 @@ def captured_rows(captures: Sequence[torch.Tensor], cu: torch.Tensor, rows: torc
         vals[a:b].fill_(-1)
         sel = torch.nonzero(j < n).flatten()
         if sel.numel():
-            rows_sel = torch.full((sel.numel(), width), -1, dtype=torch.int32, device=device)
+            rows_sel = torch.full((sel.numel(), width), -1, dtype=dtype, device=device)
             put(rows_sel, cap.index_select(0, j[sel].to(cap.device)))
             vals[a + sel.to(device)] = rows_sel
             covered[a + sel] = True
@@ -162,22 +171,24 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _select_pools(v: torch.Tensor, n_vis: torch.Tensor, topk: int, kpool: int, capture_order: bool, k_sel: int):
-    """Pool-id rows ``v [r, W]`` int32 (``-1`` unused): ``(bad [r] bool, pools [r, k_sel]
-    int32)``, each row's pools ascending or in column order, ``-1`` after them."""
+    """Pool-id rows ``v [r, W]`` int32 or int16 (``-1`` unused): ``(bad [r] bool, pools
+    [r, k_sel] int32)``, each row's pools ascending or in column order, ``-1`` after them."""
     r, W = v.shape
     if W == 0:  # nothing captured: no problem, no pool
         return torch.zeros(r, dtype=torch.bool, device=v.device), v.new_full((r, k_sel), -1)
     lo, hi = torch.aminmax(v, dim=1)
     bad = (lo < -1) | (hi >= n_vis)
-    if int(n_vis.max()) < _NARROW:  # ids fit int16, whose sort is faster: -1 (0xFFFF) xor 0x8000 sorts last
-        s = torch.sort(v.to(torch.int16) ^ -_NARROW, dim=1).values ^ -_NARROW
+    if int(n_vis.max()) < _NARROW:  # ids fit int16: sorted as uint16, -1 (0xFFFF) last (a row with
+        # an id out of int16's range, or below -1, is bad whatever its sort gives)
+        s = torch.sort(v.to(torch.int16).view(torch.uint16), dim=1).values.view(torch.int16)
     else:
         s = _sort_unused_last(v).values  # ids ascending, then -1
     unused = (v == -1).sum(1, dtype=torch.int32)
     if W > 1:  # an id twice: more equal neighbours than the -1s make among themselves
         bad |= (s[:, 1:] == s[:, :-1]).sum(1, dtype=torch.int32) > (unused - 1).clamp_min(0)
     bad |= W - unused > topk // kpool
-    return bad, (_compact(v, k_sel) if capture_order else _pad(s, k_sel).to(torch.int32).contiguous())
+    pools = _compact(v, k_sel) if capture_order else _pad(s, k_sel)
+    return bad, pools.to(torch.int32).contiguous()
 
 
 def _select_tokens(v: torch.Tensor, j: torch.Tensor, n_vis: torch.Tensor, topk: int, kpool: int,
