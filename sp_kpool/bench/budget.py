@@ -22,7 +22,6 @@ call's ratio to it. Writes ``bench_budget.json``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
@@ -32,7 +31,7 @@ from ..agreement import num_pools, scoring_chunk_rows
 from ..backends import BACKENDS
 from ..pipeline import solve
 from .inputs import prepared, slice_problem
-from .record import command_line, environment, log, require_cuda, save
+from .record import command_line, environment, log, parser, require_cuda, save
 from .timing import do_bench_ms, peak_mb
 
 ARMS = "fp8:deepgemm,bf16:triton,bf16:tilelang"
@@ -106,8 +105,7 @@ def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench budget", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser("budget", __doc__)
     ap.add_argument("--cases", default="W,Wrecency,W262k,packed64")
     ap.add_argument("--arms", default=ARMS, help="precision:backend pairs")
     ap.add_argument("--heads", default="32,64")

@@ -10,17 +10,15 @@ block. Needs CUDA and deep_gemm (the GPU wheels: ``scripts/gpu_wheels.sh``).
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
-from .record import command_line, environment, log, require_cuda, save
+from .record import command_line, environment, log, parser, require_cuda, save
 from .timing import median_seconds
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench check-finite", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser("check-finite", __doc__)
     ap.add_argument("--out", default=None, help="also write check_finite.json here")
     args = ap.parse_args(argv)
     require_cuda("check-finite")

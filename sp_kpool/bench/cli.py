@@ -24,35 +24,13 @@ CASES = {
 
 
 def _module(case: str):
-    """The module of ``case`` (imported here, so a CPU run never imports the GPU cases)."""
-    name = CASES[case][0]
-    if name == "e2e":
-        from . import e2e as m
-    elif name == "report":
-        from . import report as m
-    elif name == "replay":
-        from . import replay as m
-    elif name == "train":
-        from . import train as m
-    elif name == "kernels":
-        from . import kernels as m
-    elif name == "selector":
-        from . import selector as m
-    elif name == "fused":
-        from . import fused as m
-    elif name == "cuda_scorer":
-        from . import cuda_scorer as m
-    elif name == "budget":
-        from . import budget as m
-    elif name == "check_finite":
-        from . import check_finite as m
-    elif name == "host":
-        from . import host as m
-    elif name == "profiler":
-        from . import profiler as m
-    else:
-        from . import ncu_select as m
-    return m
+    """The module of ``case`` (imported here: ``import sp_kpool.bench`` imports no case)."""
+    from . import (budget, check_finite, cuda_scorer, e2e, fused, host, kernels, ncu_select, profiler, replay, report,
+                   selector, train)  # fmt: skip
+
+    modules = (budget, check_finite, cuda_scorer, e2e, fused, host, kernels, ncu_select, profiler, replay, report,
+               selector, train)  # fmt: skip
+    return {m.__name__.rsplit(".", 1)[1]: m for m in modules}[CASES[case][0]]
 
 
 def usage() -> str:

@@ -23,13 +23,12 @@ precision, nothing timed or written (for ``ncu``: ``gpu_evidence.sh cudancu``).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from .inputs import prepared, slice_problem
-from .record import command_line, environment, log, require_cuda, save
+from .record import command_line, environment, log, parser, require_cuda, save
 from .timing import do_bench_ms
 
 CASES = ("W", "W262k")
@@ -142,8 +141,7 @@ def profile_launches(case: str, H: int, precision: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench cuda-scorer", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser("cuda-scorer", __doc__)
     ap.add_argument("--heads", default="32,64")
     ap.add_argument("--cases", default="W,W262k")
     ap.add_argument("--precisions", default="fp8,bf16")

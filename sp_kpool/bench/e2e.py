@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from .record import command_line, environment
+from .record import command_line, environment, parser
 from .report import add_ratios, fit_row_cost, one_line, summarize, write_outputs
 from .timing import ceilings as measure_ceilings
 
@@ -66,8 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from sp_kpool.config import BALANCES, GATHERS
     from sp_kpool.precision import PRECISIONS
 
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench e2e", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser("e2e", __doc__)
     ap.add_argument("--world-size", type=int, default=1, help="ranks to spawn here (ignored under torchrun)")
     ap.add_argument("--backends", type=_csv(str), default=["torch"], help="comma list of names in BACKENDS, or auto")
     ap.add_argument("--precisions", type=_csv(str), default=["bf16"], help=f"comma list of {list(PRECISIONS)}")

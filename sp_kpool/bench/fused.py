@@ -23,7 +23,6 @@ The slices and their prepared inputs: :mod:`sp_kpool.bench.inputs`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 
@@ -34,7 +33,7 @@ from ..pipeline import RunRecord, solve
 from ..settings import Settings
 from ..testing.problems import rank_slice_problem
 from .inputs import SLICES, prepared, slice_problem
-from .record import command_line, environment, log, require_cuda, save
+from .record import command_line, environment, log, parser, require_cuda, save
 from .timing import do_bench_ms, peak_mb
 
 
@@ -186,8 +185,7 @@ SWEEP = [dict(one_dot=True, block_q=0, block_p=64, num_warps=4, num_stages=3),
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench fused", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser("fused", __doc__)
     ap.add_argument("--heads", default="32,64,128")
     ap.add_argument("--cases", default="W,packed64,W262k")
     ap.add_argument("--topk", default="2048", help="comma-separated topk values (tokens), e.g. 2048,8192")

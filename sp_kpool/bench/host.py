@@ -17,7 +17,6 @@ writes ``host.json`` with the environment block.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -27,21 +26,14 @@ from ..backends.base import PoolInputs, QueryInputs
 from ..pipeline import num_pools, solve
 from ..plan import plan_chunks
 from ..testing.problems import reference_slice_problem
-from .record import command_line, environment, log, require_cuda, save
+from .record import command_line, environment, log, parse_call, parser, require_cuda, save
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench host", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--backend", default="deepgemm")
-    ap.add_argument("--precision", default="fp8")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--total", type=int, default=131072)
+    ap = parser("host", __doc__)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None, help="also write host.json here")
-    args = ap.parse_args(argv)
-    if args.backend not in BACKENDS:
-        ap.error(f"--backend: expected one of {sorted(BACKENDS)}, got {args.backend!r}")
+    args = parse_call(ap, argv, "deepgemm", "fp8", 32)
     require_cuda("host")
     p = reference_slice_problem(args.heads, args.precision, total=args.total, seed=args.heads)
     be = BACKENDS[args.backend]

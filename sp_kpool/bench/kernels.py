@@ -30,7 +30,6 @@ The timing helpers live in :mod:`sp_kpool.bench.timing`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
@@ -43,7 +42,7 @@ from ..pipeline import RunRecord, solve
 from ..pooling import pool_table
 from ..selection import row_meta
 from ..testing.problems import rank_slice_problem, reference_slice_problem
-from .record import command_line, environment, launch_kwargs, log, require_cuda, save
+from .record import command_line, environment, launch_kwargs, log, parser, require_cuda, save
 from .timing import ceilings
 from .timing import do_bench_ms as bench_do_bench
 from .timing import host_ahead_ms as bench_host_ahead
@@ -146,8 +145,7 @@ ARMS = (("bf16", "bf16", "tilelang"), ("bf16-triton", "bf16", "triton"), ("fp8",
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench kernels", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser("kernels", __doc__)
     ap.add_argument("--heads", default="32,64")
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=0, help="max_logits_bytes for the GPU backends (0: the library default)")

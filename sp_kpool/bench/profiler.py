@@ -11,7 +11,6 @@ every GPU gap of more than 20 us with the kernels around it), and writes a Chrom
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -21,20 +20,13 @@ import torch
 from ..backends import BACKENDS
 from ..pipeline import solve
 from ..testing.problems import reference_slice_problem
-from .record import require_cuda
+from .record import parse_call, parser, require_cuda
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench profile", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--backend", default="tilelang")
-    ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--total", type=int, default=131072)
+    ap = parser("profile", __doc__)
     ap.add_argument("--out", default=".")
-    args = ap.parse_args(argv)
-    if args.backend not in BACKENDS:
-        ap.error(f"--backend: expected one of {sorted(BACKENDS)}, got {args.backend!r}")
+    args = parse_call(ap, argv, "tilelang", "bf16", 64)
     require_cuda("profile")
     p = reference_slice_problem(args.heads, args.precision, total=args.total, seed=1)
     be = BACKENDS[args.backend]

@@ -13,6 +13,7 @@ Nothing here is imported by ``import sp_kpool``.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -24,7 +25,7 @@ import sys
 import torch
 
 __all__ = ["environment", "command_line", "save", "log", "package_versions", "cpu_model", "git_commit",
-           "launch_kwargs", "require_cuda"]
+           "launch_kwargs", "require_cuda", "parser", "parse_call"]
 
 
 def log(msg) -> None:
@@ -83,6 +84,27 @@ def git_commit() -> str:
         return out.stdout.strip() + (" (tree modified)" if dirty.stdout.strip() else "")
     except Exception:  # noqa: BLE001
         return "?"
+
+
+def parser(case: str, doc: str) -> argparse.ArgumentParser:
+    """The option parser of ``case``, its help text the case module's docstring ``doc``."""
+    return argparse.ArgumentParser(prog=f"python -m sp_kpool.bench {case}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+
+
+def parse_call(ap: argparse.ArgumentParser, argv, backend: str, precision: str, heads: int) -> argparse.Namespace:
+    """``ap``'s options and those of one call on the reference slice (``--backend``,
+    ``--precision``, ``--heads``, ``--total``; these defaults), parsed, the backend checked."""
+    from ..backends import BACKENDS
+
+    ap.add_argument("--backend", default=backend)
+    ap.add_argument("--precision", default=precision)
+    ap.add_argument("--heads", type=int, default=heads)
+    ap.add_argument("--total", type=int, default=131072)
+    args = ap.parse_args(argv)
+    if args.backend not in BACKENDS:
+        ap.error(f"--backend: expected one of {sorted(BACKENDS)}, got {args.backend!r}")
+    return args
 
 
 def require_cuda(case: str) -> None:

@@ -22,14 +22,13 @@ Run: ``python -m sp_kpool.bench replay [--tokens 65536] [--device cpu|cuda] [--o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import torch
 
 from .. import KPoolConfig, ShardedSequence, kpool_topk, replay
-from .record import command_line, environment, save
+from .record import command_line, environment, parser, save
 from .timing import best_seconds
 
 
@@ -131,7 +130,7 @@ def missing_rows_case(args, dev, emit) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench replay", description=__doc__.splitlines()[0])
+    ap = parser("replay", __doc__)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--kpool", type=int, default=4)

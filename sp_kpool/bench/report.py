@@ -17,7 +17,6 @@ Nothing here is imported by ``import sp_kpool``; matplotlib is imported only by
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -309,8 +308,9 @@ def draw(doc: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     """The case ``report``: re-draw the table and the plot of ``e2e`` result files (merged)."""
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench report",
-                                 description="Re-draw e2e reports from result JSON files (several: merged).")  # fmt: skip
+    from .record import parser
+
+    ap = parser("report", __doc__)
     ap.add_argument("runs", nargs="+", help="bench_*.json files of the e2e case")
     ap.add_argument("--out", default=None, help="output base path (default: the first file without .json)")
     ap.add_argument("--no-plot", action="store_true")

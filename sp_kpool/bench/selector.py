@@ -14,13 +14,12 @@ and the timing come from :mod:`sp_kpool.bench.inputs` and :mod:`sp_kpool.bench.t
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from .inputs import exact_ascending, selector_logits
-from .record import command_line, environment, launch_kwargs, log, require_cuda, save
+from .record import command_line, environment, launch_kwargs, log, parser, require_cuda, save
 from .timing import median_ms
 
 
@@ -48,8 +47,7 @@ def launch(cfg, sms):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench select", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = parser("select", __doc__)
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--pools", type=int, default=32768)
     ap.add_argument("--k", type=int, default=512)

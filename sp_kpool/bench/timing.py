@@ -23,20 +23,22 @@ __all__ = ["median_ms", "host_ahead_ms", "do_bench_ms", "best_seconds", "median_
 # ------------------------------------------------------------------------ timing
 
 
+def _seconds(fn, cuda: bool) -> float:
+    """Wall-clock seconds of one call of ``fn()``, the device synchronized around it on CUDA."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def best_seconds(fn, repeat: int = 2, device: torch.device | str = "cpu") -> float:
     """The least wall-clock seconds of ``repeat`` calls of ``fn()`` (the device synchronized
     around each call on CUDA): on a shared CPU the minimum is the run least disturbed."""
     cuda = torch.device(device).type == "cuda"
-    best = float("inf")
-    for _ in range(repeat):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return min((_seconds(fn, cuda) for _ in range(repeat)), default=float("inf"))
 
 
 def median_seconds(fn, device: torch.device | str = "cpu", reps: int = 10, warmup: int = 1) -> float:
@@ -45,16 +47,7 @@ def median_seconds(fn, device: torch.device | str = "cpu", reps: int = 10, warmu
     cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_seconds(fn, cuda) for _ in range(reps))
 
 
 def peak_mb(fn) -> float:

@@ -18,7 +18,6 @@ under ``--out``: ``{"environment", "args", "arms"}`` (the environment block of
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import resource
@@ -29,7 +28,7 @@ import torch
 
 import sp_kpool
 
-from .record import command_line, environment, log, save
+from .record import command_line, environment, log, parser, save
 
 
 def _inputs(a):
@@ -95,7 +94,7 @@ def _run(name, a, ids_path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sp_kpool.bench train", description=__doc__.split("\n\n")[0])
+    ap = parser("train", __doc__)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--docs", type=int, default=1)
     ap.add_argument("--heads", type=int, default=32)
