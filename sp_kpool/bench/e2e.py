@@ -310,6 +310,7 @@ def main(argv=None) -> int:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
         ws, rank = dist.get_world_size(), dist.get_rank()
+        args.command = args.command.replace("torchrun ", f"torchrun --nproc_per_node {ws} ", 1)  # one host
         device = torch.device("cpu")
         if backend == "nccl":
             device = torch.device("cuda", rank % torch.cuda.device_count())
