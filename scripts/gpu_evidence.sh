@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # GPU evidence, in parts that fit one device call each. Run from the repository root on
 # a CUDA host whose Python can import sp_kpool's GPU packages (see scripts/gpu_wheels.sh).
-#   bash scripts/gpu_evidence.sh check   OUTDIR   # pytest tests/gpu (full sizes, gpu.xml) + bench_kernels.py
-#   bash scripts/gpu_evidence.sh ranks   OUTDIR   # torchrun NCCL over every GPU, GPU arms, scale options
-#   bash scripts/gpu_evidence.sh scale   OUTDIR   # scripts/bench.py under torchrun + parity replays + mpirun
-#   bash scripts/gpu_evidence.sh perf    OUTDIR   # bench_kernels.py + scripts/bench.py, library defaults only
-#   bash scripts/gpu_evidence.sh chunks  OUTDIR   # the row-local chunks (plan.local_chunks): bench_budget on the
-#                                                 # slice (time, peak memory, 2 and 1 GiB) and packed64, and the
-#                                                 # GPU tests that check their ids (every rank and layout, fused)
-#   The CUDA scorer (kernels/cuda_fp8_mqa.cu), its first run in three parts (issue #46, step 1), each
-#   a list of steps: every step under its own time limit, its output in OUTDIR/STEP.log as it goes
-#   and one line "STEP: rc=.. ok|failed|timeout (.. s)" appended to OUTDIR/steps.txt, so a hang or
-#   a trap loses nothing already done:
+# Every part is a list of steps, each named by what it measures: every step under its own time
+# limit, its output in OUTDIR/STEP.log as it goes and one line "STEP: rc=.. ok|failed|timeout
+# (.. s)" appended to OUTDIR/steps.txt, so a hang or a trap loses nothing already done. The
+# benchmarks are cases of the one entry `python3 -m sp_kpool.bench CASE` (its --help lists them).
+#   bash scripts/gpu_evidence.sh check   OUTDIR   # gpu_tests: pytest tests/gpu (full sizes, gpu.xml);
+#                                                 # stage_times_vs_torch: `bench kernels --torch-baseline`
+#   bash scripts/gpu_evidence.sh ranks   OUTDIR   # ranks_equal_world_size_1: torchrun NCCL over every GPU,
+#                                                 # tests/multigpu/sharded_check.py, GPU arms, scale options
+#   bash scripts/gpu_evidence.sh scale   OUTDIR   # step_time_ranks/BACKEND-PRECISION: `bench e2e` under torchrun
+#                                                 # (gathers x balances); parity/A_vs_B: parity replays; mpirun_smoke
+#   bash scripts/gpu_evidence.sh perf    OUTDIR   # stage_times_vs_torch (`bench kernels`, library defaults),
+#                                                 # step_time_ranks/BACKEND-PRECISION (`bench e2e` under torchrun)
+#   bash scripts/gpu_evidence.sh chunks  OUTDIR   # the row-local chunks (plan.local_chunks): budget_time_memory/W
+#                                                 # and /packed64 (`bench budget`: time, peak memory, 2 and 1 GiB);
+#                                                 # ids_every_rank, ids_fused_whole_call: the GPU tests of their ids
+#   The CUDA scorer (kernels/cuda_fp8_mqa.cu), its first run in three parts (issue #46, step 1):
 #   bash scripts/gpu_evidence.sh cudasmoke OUTDIR # cuda_build: nvcc builds the release and debug libraries
 #                                                 # (seconds, device, compiler); cuda_sass: the release SASS's
 #                                                 # QGMMA/HGMMA/HMMA/FFMA/FMUL/FADD counts; cuda_smoke/VARIANT:
@@ -29,16 +34,17 @@
 #                                                 # OUTDIR/cuda_tests.txt (pytest's summary)
 #   bash scripts/gpu_evidence.sh cudabench OUTDIR # only if every line of the smoke record says pass
 #                                                 # (SMOKE_RECORD, default OUTDIR/cuda_smoke.txt; with neither,
-#                                                 # cudasmoke runs first): cuda_bench: bench_cuda_scorer.py on
-#                                                 # the slice W, H 32 and 64, FP8 and BF16
+#                                                 # cudasmoke runs first): cuda_scorer_time: `bench cuda-scorer`
+#                                                 # on the slice W, H 32 and 64, FP8 and BF16
 #   bash scripts/gpu_evidence.sh cuda    OUTDIR   # cudasmoke, cudatests, cudabench in one call (may not fit)
-#   bash scripts/gpu_evidence.sh cudawhole OUTDIR # whole calls with SP_KPOOL_CUDA_SCORER=1 against the defaults
-#                                                 # (bench_budget.py, +cuda arms: time, peak memory, ids)
-#   bash scripts/gpu_evidence.sh cudancu OUTDIR   # ncu of DeepGEMM's kernel and the CUDA scorer's four variants
-#                                                 # on the slice (FP8, H 32): throughput, occupancy, stalls
-#   bash scripts/gpu_evidence.sh --dry-run PART OUTDIR  # the steps of a cuda part (cudasmoke, cudatests,
-#                                                 # cudabench, cuda), one a line with its limit and command;
-#                                                 # runs and writes nothing (tests/unit/test_gpu_evidence.py)
+#   bash scripts/gpu_evidence.sh cudawhole OUTDIR # cuda_scorer_whole_calls: whole calls with SP_KPOOL_CUDA_SCORER=1
+#                                                 # against the defaults (`bench budget`, +cuda arms: time, peak
+#                                                 # memory, ids)
+#   bash scripts/gpu_evidence.sh cudancu OUTDIR   # cuda_scorer_ncu: ncu of DeepGEMM's kernel and the CUDA scorer's
+#                                                 # four variants on the slice (FP8, H 32): throughput, occupancy,
+#                                                 # stalls
+#   bash scripts/gpu_evidence.sh --dry-run PART OUTDIR  # the steps of PART, one a line with its limit and
+#                                                 # command; runs and writes nothing (tests/unit/test_gpu_evidence.py)
 #
 # The next GPU session, issue #46 (one H100/H200; each numbered line one device call, OUT its
 # output folder, which keeps whatever a step wrote if the call is cut). First, where the network
@@ -69,13 +75,7 @@ fi
 part=$1
 out=$2
 case $part in
-  cudasmoke | cudatests | cudabench | cuda) ;;
-  check | ranks | scale | perf | chunks | cudawhole | cudancu)
-    if [ "$dry" = 1 ]; then
-      echo "--dry-run lists the steps of cudasmoke, cudatests, cudabench and cuda; $part runs its commands directly" >&2
-      exit 2
-    fi
-    ;;
+  check | ranks | scale | perf | chunks | cudasmoke | cudatests | cudabench | cuda | cudawhole | cudancu) ;;
   *)
     echo "unknown part: $part (the parts: the comments at the top of scripts/gpu_evidence.sh)" >&2
     exit 2
@@ -85,8 +85,8 @@ esac
 export PYTHONUNBUFFERED=1
 # the scripts and tests/multigpu/sharded_check.py import this checkout's package
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+ngpu=NGPU
 [ "$dry" = 1 ] || ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-filter() { grep -v "TileLang begins\|TileLang completes\|AnnotateWarpGroupRegAlloc"; }
 
 # step NAME LIMIT_S COMMAND...: COMMAND under `timeout LIMIT_S` (then SIGKILL 10 s later), its
 # stdout and stderr in $out/NAME.log as it goes; appends "NAME: rc=RC ok|failed|timeout (S s)"
@@ -186,50 +186,69 @@ cuda_bench_part() {
       | tee -a "$out/steps.txt"
     return 1
   fi
-  step cuda_bench 300 python3 scripts/bench_cuda_scorer.py --heads 32,64 --cases W --out "$out"
-  [ "$dry" = 1 ] || grep "^{" "$out/cuda_bench.log" | cut -c1-1200
+  step cuda_scorer_time 300 python3 -m sp_kpool.bench cuda-scorer --heads 32,64 --cases W --out "$out"
+  [ "$dry" = 1 ] || grep "^{" "$out/cuda_scorer_time.log" | cut -c1-1200
+}
+
+# show TEXT...: prints TEXT unless --dry-run (a step's summary after it ran)
+show() { [ "$dry" = 1 ] || "$@"; }
+
+# the stage times of the GPU backends on the reference slice (and the torch backend's, for the speed-up)
+stage_times() {
+  step stage_times_vs_torch 200 python3 -m sp_kpool.bench kernels --torch-baseline "$@" --out "$out"
+  show cut -c1-700 "$out/stage_times_vs_torch.log"
+}
+
+# the step time of every gather and balance option over every GPU of this host (torchrun, NCCL)
+step_time_ranks() {
+  local arm b p
+  for arm in tilelang:bf16 deepgemm:fp8; do
+    b=${arm%%:*}; p=${arm##*:}
+    step "step_time_ranks/$b-$p" 150 python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpu" \
+      -m sp_kpool.bench e2e --backends "$b" --precisions "$p" --seq-lens 131072 --heads 64 --gathers keys,pools \
+      --balances none,causal --out "$out"
+    show tail -n 6 "$out/step_time_ranks/$b-$p.log"
+  done
 }
 
 case $part in
   check)
-    SP_KPOOL_GPU_FULL=1 timeout 300 python3 -m pytest tests/gpu -q -rA --junitxml="$out/gpu.xml" 2>&1 | filter > "$out/gpu_tests.log"
-    echo "tests/gpu: $(tail -n 1 "$out/gpu_tests.log")"; grep "^FAILED\|^ERROR" "$out/gpu_tests.log" | cut -c1-400
-    timeout 200 python3 scripts/bench_kernels.py --torch-baseline --budget 0 --out "$out" 2>&1 | filter > "$out/bench_kernels.log"
-    cut -c1-600 "$out/bench_kernels.log"
+    step gpu_tests 300 env SP_KPOOL_GPU_FULL=1 python3 -m pytest tests/gpu -q -rA --junitxml="$out/gpu.xml"
+    show bash -c "tail -n 1 '$out/gpu_tests.log'; grep '^FAILED\|^ERROR' '$out/gpu_tests.log' | cut -c1-400"
+    stage_times --budget 0
     ;;
   ranks)
-    args="--arms bf16:torch,bf16:tilelang,bf16-serving:tilelang,bf16:triton,bf16-serving:triton,fp8:deepgemm,fp8:torch --heads 64 --head-dim 128 --dtype bfloat16 --scale"
-    echo "torchrun --standalone --nproc_per_node $ngpu tests/multigpu/sharded_check.py $args" > "$out/torchrun.log"
-    timeout 400 python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpu" tests/multigpu/sharded_check.py $args 2>&1 | filter >> "$out/torchrun.log"
-    echo "torchrun rc=$?" >> "$out/torchrun.log"; tail -n 12 "$out/torchrun.log"
+    step ranks_equal_world_size_1 400 python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpu" \
+      tests/multigpu/sharded_check.py --arms bf16:torch,bf16:tilelang,bf16-serving:tilelang,bf16:triton,bf16-serving:triton,fp8:deepgemm,fp8:torch \
+      --heads 64 --head-dim 128 --dtype bfloat16 --scale
+    show tail -n 12 "$out/ranks_equal_world_size_1.log"
     ;;
   scale)
-    for arm in tilelang:bf16 deepgemm:fp8; do
-      b=${arm%%:*}; p=${arm##*:}
-      timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpu" scripts/bench.py --backends "$b" \
-        --precisions "$p" --seq-lens 131072 --heads 64 --gathers keys,pools --balances none,causal --out "$out" 2>&1 | filter | tail -n 20
-    done
+    step_time_ranks
     C=/tmp/kpool_cap/synthetic-call0000.rank000-of-001.safetensors
-    timeout 60 python3 -m sp_kpool parity --synthetic --tokens 4096 --device cuda --capture-dir /tmp/kpool_cap --a fp8 --b bf16-serving --out "$out/parity/fp8_vs_bf16-serving" 2>&1 | tail -n 30
-    timeout 60 python3 -m sp_kpool parity $C --device cuda --a fp8 --b bf16 --out "$out/parity/fp8_vs_bf16" 2>&1 | tail -n 30
-    timeout 60 python3 -m sp_kpool parity $C --device cuda --a bf16-serving --b bf16 --out "$out/parity/bf16-serving_vs_bf16" 2>&1 | tail -n 30
-    timeout 60 python3 -m sp_kpool parity $C --device cuda --a fp8 --b fp8:torch --out "$out/parity/fp8_gpu_vs_torch" 2>&1 | tail -n 30
-    (cd "$out" && tar czf parity.tgz parity && rm -rf parity)
-    if command -v mpirun >/dev/null; then
-      timeout 120 mpirun -np "$ngpu" --allow-run-as-root --oversubscribe python3 -m mpi4py scripts/mpirun_smoke.py 2>&1 | tail -n 8 | tee "$out/mpirun.log"
+    step parity/fp8_vs_bf16-serving 60 python3 -m sp_kpool parity --synthetic --tokens 4096 --device cuda \
+      --capture-dir /tmp/kpool_cap --a fp8 --b bf16-serving --out "$out/parity/fp8_vs_bf16-serving"
+    step parity/fp8_vs_bf16 60 python3 -m sp_kpool parity $C --device cuda --a fp8 --b bf16 --out "$out/parity/fp8_vs_bf16"
+    step parity/bf16-serving_vs_bf16 60 python3 -m sp_kpool parity $C --device cuda --a bf16-serving --b bf16 \
+      --out "$out/parity/bf16-serving_vs_bf16"
+    step parity/fp8_gpu_vs_torch 60 python3 -m sp_kpool parity $C --device cuda --a fp8 --b fp8:torch \
+      --out "$out/parity/fp8_gpu_vs_torch"
+    show bash -c "cd '$out' && tail -n 30 parity/*.log && tar czf parity.tgz parity && rm -rf parity"
+    if [ "$dry" = 1 ] || command -v mpirun >/dev/null; then
+      step mpirun_smoke 120 mpirun -np "$ngpu" --allow-run-as-root --oversubscribe python3 -m mpi4py scripts/mpirun_smoke.py
+      show tail -n 8 "$out/mpirun_smoke.log"
     fi
     ;;
   chunks)
-    timeout 170 python3 scripts/bench_budget.py --cases W --heads 32,64 --arms fp8:deepgemm,bf16:triton \
-      --budgets 2048,1024 --out "$out" 2>&1 | filter > "$out/bench_budget_W.log"
-    mv "$out/bench_budget.json" "$out/bench_budget_W.json" 2>/dev/null
-    timeout 60 python3 scripts/bench_budget.py --cases packed64 --heads 32,64 --arms fp8:deepgemm,bf16:triton \
-      --budgets 2048 --out "$out" 2>&1 | filter > "$out/bench_budget_packed64.log"
-    mv "$out/bench_budget.json" "$out/bench_budget_packed64.json" 2>/dev/null
-    grep "^{" "$out"/bench_budget_*.log | cut -c1-420
-    timeout 150 python3 -m pytest tests/gpu/test_ranks.py -q -k "deepgemm or triton" --junitxml="$out/ranks.xml" 2>&1 | tail -n 2
-    timeout 150 python3 -m pytest tests/gpu/test_fused_fp8.py -q -k "whole_call and not 8192 and not 128" \
-      --junitxml="$out/fused_whole_call.xml" 2>&1 | tail -n 2
+    step budget_time_memory/W 170 python3 -m sp_kpool.bench budget --cases W --heads 32,64 --arms fp8:deepgemm,bf16:triton \
+      --budgets 2048,1024 --out "$out/budget_time_memory/W"
+    step budget_time_memory/packed64 60 python3 -m sp_kpool.bench budget --cases packed64 --heads 32,64 \
+      --arms fp8:deepgemm,bf16:triton --budgets 2048 --out "$out/budget_time_memory/packed64"
+    show bash -c "grep -h '^{' '$out'/budget_time_memory/*.log | cut -c1-420"
+    step ids_every_rank 150 python3 -m pytest tests/gpu/test_ranks.py -q -k "deepgemm or triton" --junitxml="$out/ranks.xml"
+    step ids_fused_whole_call 150 python3 -m pytest tests/gpu/test_fused_fp8.py -q -k "whole_call and not 8192 and not 128" \
+      --junitxml="$out/fused_whole_call.xml"
+    show tail -n 2 "$out/ids_every_rank.log" "$out/ids_fused_whole_call.log"
     ;;
   cudasmoke) cuda_smoke_part ;;
   cudatests) cuda_tests_part ;;
@@ -240,11 +259,11 @@ case $part in
     cuda_bench_part
     ;;
   cudancu)
-    timeout 540 ncu --clock-control none --target-processes all -k regex:fp8_mqa --section SpeedOfLight \
+    step cuda_scorer_ncu 540 ncu --clock-control none --target-processes all -k regex:fp8_mqa --section SpeedOfLight \
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-      -o "$out/cuda_scorer_ncu" python3 scripts/bench_cuda_scorer.py --profile --cases W --heads 32 --precisions fp8 \
-      > "$out/cuda_scorer_ncu.log" 2>&1
-    echo "ncu rc=$?"; tail -n 5 "$out/cuda_scorer_ncu.log"
+      -o "$out/cuda_scorer_ncu" python3 -m sp_kpool.bench cuda-scorer --profile --cases W --heads 32 --precisions fp8
+    [ "$dry" = 1 ] && exit 0
+    tail -n 5 "$out/cuda_scorer_ncu.log"
     ncu --import "$out/cuda_scorer_ncu.ncu-rep" --page details --csv > "$out/cuda_scorer_ncu.csv" 2>/dev/null
     python3 - "$out/cuda_scorer_ncu.csv" <<'PY'
 import csv, sys
@@ -259,18 +278,12 @@ for (i, name), m in rows.items():
 PY
     ;;
   cudawhole)
-    timeout 400 python3 scripts/bench_budget.py --cases W,packed64 --heads 32,64 --budgets 2048 \
-      --arms fp8:deepgemm,fp8:deepgemm+cuda,bf16:triton,bf16:triton+cuda --out "$out" 2>&1 | filter > "$out/bench_budget_cuda.log"
-    mv "$out/bench_budget.json" "$out/bench_budget_cuda.json" 2>/dev/null
-    grep "^{" "$out/bench_budget_cuda.log" | cut -c1-420
+    step cuda_scorer_whole_calls 400 python3 -m sp_kpool.bench budget --cases W,packed64 --heads 32,64 --budgets 2048 \
+      --arms fp8:deepgemm,fp8:deepgemm+cuda,bf16:triton,bf16:triton+cuda --out "$out"
+    show bash -c "grep '^{' '$out/cuda_scorer_whole_calls.log' | cut -c1-420"
     ;;
   perf)
-    timeout 200 python3 scripts/bench_kernels.py --torch-baseline --out "$out" 2>&1 | filter > "$out/bench_kernels.log"
-    cut -c1-700 "$out/bench_kernels.log"
-    for arm in tilelang:bf16 deepgemm:fp8; do
-      b=${arm%%:*}; p=${arm##*:}
-      timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpu" scripts/bench.py --backends "$b" \
-        --precisions "$p" --seq-lens 131072 --heads 64 --gathers keys,pools --balances none,causal --out "$out" 2>&1 | filter | tail -n 6
-    done
+    stage_times
+    step_time_ranks
     ;;
 esac

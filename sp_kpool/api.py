@@ -103,7 +103,7 @@ def kpool_topk(
             (default: the scoring chunk of the backend, so no chunk is scored twice).
         balance_row_cost: the per-row constant of the work model, in (row, pool) scores
             (default: the backend's ``balance_row_cost`` attribute if it has one, else
-            :data:`sp_kpool.balance.ROW_COST`). ``scripts/bench.py`` fits it from a run.
+            :data:`sp_kpool.balance.ROW_COST`). ``python -m sp_kpool.bench e2e`` fits it from a run.
         check_finite: raise (on every rank) if a real row of an input tensor holds a NaN or
             an infinity, naming the tensor, the row and the value (one device-to-host read;
             default ``settings.check_finite``, ``$SP_KPOOL_CHECK_FINITE``, off). Off, such

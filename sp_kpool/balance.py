@@ -18,7 +18,7 @@ document), plus a per-row constant ``row_cost`` (:data:`ROW_COST` unless the bac
 ``balance_row_cost`` or the caller passes ``balance_row_cost``), counted per document. The
 constant is the backend's fixed cost of a row in units of one (row, pool) score: small for
 the CPU torch backend, thousands where chunks carry fixed overheads (fit it from a run
-with ``scripts/bench.py``, which reports it). Compute boundaries are multiples
+with ``python -m sp_kpool.bench e2e``, which reports it). Compute boundaries are multiples
 of ``block`` (by default the scoring chunk of the backend, so no chunk of the global grid is
 scored by two ranks) except the last, which is the number of real rows.
 

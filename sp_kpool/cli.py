@@ -81,6 +81,62 @@ def _check_operator_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"argument --rank: expected < --world-size = {args.world_size}, got {rank}")
 
 
+#: What a user chooses per call (``kpool_topk`` keywords, ``ShardedSequence.split(layout=)``)
+#: and by switch: one line each for ``info`` (``tests/unit/test_cli_info.py`` checks that every
+#: value the package accepts has its line).
+CHOICES = {
+    "precision": {
+        "bf16": "the model definition's arithmetic (FP32 slot softmax, pooled keys in the key dtype)",
+        "bf16-serving": "the serving engine's BF16 arithmetic (serving compression of the pools)",
+        "fp8": "the serving engine's FP8 arithmetic (E4M3 pools with UE8M0 scales; DeepGEMM's logits on CUDA)",
+    },
+    "gather": {
+        "keys": "all-gather the keys and gates, then pool every rank's history",
+        "pools": "pool per shard with a seam exchange, then all-gather the pooled keys (fewer bytes)",
+    },
+    "balance": {
+        "none": "keep the given split of the rows",
+        "causal": "move row boundaries so each rank scores about the same causal work",
+    },
+    "order": {
+        "ascending": "selected pools by ascending id",
+        "score": "by descending score (ties toward the lower id)",
+        "serving": "in the order of the serving selector (LMDeploy's; not deterministic)",
+        "ascending-unused-first": "ascending id, unused history slots first (XTuner's canonical order)",
+    },
+    "tail": {
+        "fixed": "history in [0, topk), then the tail",
+        "compact": "the tail right after the valid history (as serving lays it out)",
+    },
+    "layout": {
+        "contiguous": "each rank a contiguous block of the packed sequence",
+        "zigzag": "each rank two blocks, one from each end (causal work balanced by construction)",
+        "zigzag-per-document": "zigzag inside every document",
+    },
+}
+
+#: Experimental switches, off by default: (variable, one line with its measured result).
+EXPERIMENTAL = (
+    ("SP_KPOOL_FUSED=1", "fused scoring + selection (triton-fused): same ids, about 1/4 of the memory, "
+                         "2.2-2.5x slower on an H200 (benchmarks/results/README.md)"),
+    ("SP_KPOOL_CUDA_SCORER=1", "the CUDA scorer (kernels/cuda_fp8_mqa.cu) for deepgemm and triton: same bits; "
+                               "not measured on a GPU yet"),
+)
+
+
+def _print_choices() -> None:
+    from .backends import backend_names
+
+    print("choices (kpool_topk keywords; ShardedSequence.split(layout=); python -m sp_kpool.bench measures them):")
+    print(f"  {'backend=':<11} {', '.join(backend_names())} (which run here: below)")
+    for key, values in CHOICES.items():
+        for i, (value, line) in enumerate(values.items()):
+            print(f"  {key + '=' if i == 0 else '':<11} {value:<23} {line}")
+    print("experimental switches (off by default; the record of each: benchmarks/results/README.md):")
+    for var, line in EXPERIMENTAL:
+        print(f"  {var:<23} {line}")
+
+
 def _cmd_info(args) -> int:
     import platform
 
@@ -100,6 +156,7 @@ def _cmd_info(args) -> int:
     print("settings (read once per process from the environment):")
     for var, value, source in settings.describe():
         print(f"  {var:<28} {value:<40} {source}")
+    _print_choices()
     cuda = torch.cuda.is_available()
     print(f"cuda: {torch.cuda.get_device_name(0) if cuda else 'not available'}")
     dev = torch.device("cuda" if cuda else "cpu")

@@ -5,7 +5,7 @@ with ``Settings.cuda_scorer`` (``SP_KPOOL_CUDA_SCORER=1``).
 uses otherwise (DeepGEMM's ``fp8_mqa_logits``; the Triton kernel's BF16 dense mode), so the
 logits and the ids are the same bit for bit; only the schedule differs. **Experimental:**
 written without a GPU (2026-12-04); ``tests/gpu/test_cuda_fp8_mqa.py`` checks the bits and
-``scripts/bench_cuda_scorer.py`` the speed on a Hopper GPU, and until they have run, the
+``python -m sp_kpool.bench cuda-scorer`` the speed on a Hopper GPU, and until they have run, the
 setting is off by default and nothing chooses it.
 """
 

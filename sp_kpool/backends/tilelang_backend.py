@@ -27,7 +27,7 @@ class TileLangBackend(Backend):
     max_chunk_rows = 1 << 15
     #: Per-row constant of the balance work model, in (row, pool) scores: fitted
     #: (score + select = a * pairs + b * rows) on two H200 ranks (b / a ~ 5900 at the
-    #: 256 MiB budget; ``scripts/bench.py`` fits it).
+    #: 256 MiB budget; ``python -m sp_kpool.bench e2e`` fits it).
     balance_row_cost = 5900
 
     def not_supported_reasons(self, problem: Problem) -> list[str]:

@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _versions() -> dict:
-    from sp_kpool.testing.bench_timing import package_versions
+    from sp_kpool.bench.record import package_versions
 
     v = {"torch": torch.__version__, "cuda": torch.version.cuda}
     try:

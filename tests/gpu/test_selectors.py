@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sp_kpool.selection import topk_pools
-from sp_kpool.testing.bench_inputs import ascending_pools, exact_ascending
+from sp_kpool.bench.inputs import ascending_pools, exact_ascending
 
 pytestmark = pytest.mark.xdist_group("gpu")
 LEVELS = (3, 1000, 10**7)

@@ -82,7 +82,7 @@ def test_only_settings_reads_the_environment():
 
 def test_scripts_examples_and_the_package_do_not_edit_sys_path():
     files = _files("sp_kpool", "scripts", "examples")
-    assert ROOT / "scripts/bench_replay.py" in files and ROOT / "examples/xtuner_sp.py" in files
+    assert ROOT / "scripts/output_digest.py" in files and ROOT / "sp_kpool/bench/replay.py" in files and ROOT / "examples/xtuner_sp.py" in files
     bad = {p.relative_to(ROOT).as_posix(): e for p in files if (e := sys_path_edits(p.read_text()))}
     assert not bad, f"scripts and examples use the installed package (pip install -e .), but these edit sys.path: {bad}"
 

@@ -165,18 +165,15 @@ def test_bad_scale_options_are_named(kw, exc, text):
 
 
 def test_bench_harness_writes_results(tmp_path):
-    # scripts/bench.py end to end in one process: JSON with environment, ceilings, stages
-    import importlib.util
+    # python -m sp_kpool.bench e2e end to end in one process: JSON with environment, ceilings, stages
     import json
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench.py")
-    spec = importlib.util.spec_from_file_location("sp_kpool_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from sp_kpool.bench import cli as bench
+
     argv = ["--seq-lens", "96", "--docs", "3", "--heads", "8", "--head-dim", "16", "--topk", "16", "--iters", "1",
             "--precisions", "bf16,fp8", "--out", str(tmp_path), "--tag", "t", "--no-plot"]  # fmt: skip
-    assert bench.main(argv) == 0
+    assert bench.main(["e2e", *argv]) == 0
     (name,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
     doc = json.load(open(tmp_path / name))
     assert {"command", "date_utc", "host", "torch", "python", "world_size"} <= set(doc["environment"])

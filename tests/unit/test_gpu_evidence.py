@@ -1,13 +1,17 @@
-"""``scripts/gpu_evidence.sh`` on a CPU: its syntax, its usage errors, and the steps of the CUDA
-scorer's first run as ``--dry-run`` lists them (which runs and writes nothing), so that a
-broken script fails here rather than in a GPU lease.
+"""``scripts/gpu_evidence.sh`` on a CPU: its syntax, its usage errors, and the steps of every
+part as ``--dry-run`` lists them (which runs and writes nothing), so that a broken script fails
+here rather than in a GPU lease.
+
+- every part: its steps are named (by what they measure), and every benchmark step calls a
+  case of ``python3 -m sp_kpool.bench`` with options that case accepts (parsed here: a GPU case
+  parses its options, then stops at its CUDA check).
 
 - ``cudasmoke``: the build, the SASS, then every variant of
   :data:`sp_kpool.testing.cuda_smoke.VARIANTS` in its own process under ``timeout 60``.
 - ``cudatests``: every test function of ``tests/gpu/test_cuda_fp8_mqa.py`` but the smoke in
   its own pytest process, without ``-x``, each test under pytest-timeout (which the GPU wheel
   set carries: ``scripts/gpu_wheels.sh``).
-- ``cudabench``: the benchmark behind the gate on the smoke record.
+- ``cudabench``: the benchmark (``bench cuda-scorer``) behind the gate on the smoke record.
 - ``cuda``: the three in that order.
 """
 
@@ -58,7 +62,7 @@ def test_syntax():
     ((), "usage: "),
     (("cuda",), "usage: "),
     (("nopart", "out"), "unknown part: nopart"),
-    (("--dry-run", "check", "out"), "check runs its commands directly"),
+    (("--dry-run", "nopart", "out"), "unknown part: nopart"),
 ])  # fmt: skip
 def test_usage_errors(args, message):
     done = _run(*args)
@@ -92,12 +96,45 @@ def test_test_steps_run_each_function_alone_without_x_under_pytest_timeout(tmp_p
 def test_bench_runs_behind_the_smoke_gate(tmp_path):
     out = tmp_path / "ev"
     steps = _steps("cudabench", out)
-    assert [name for name, _ in steps] == ["gate", "cuda_bench"]
+    assert [name for name, _ in steps] == ["gate", "cuda_scorer_time"]
     assert f"{out}/cuda_smoke.txt says pass" in steps[0][1]
-    assert steps[1][1].startswith("timeout 300 python3 scripts/bench_cuda_scorer.py ")
+    assert steps[1][1].startswith("timeout 300 python3 -m sp_kpool.bench cuda-scorer ")
     whole = [name for name, _ in _steps("cuda", out)]
     assert whole == ["cuda_build", "cuda_sass", *[f"cuda_smoke/{v}" for v in VARIANTS],
-                     *[n for n, _ in _steps("cudatests", out)], "gate", "cuda_bench"]  # fmt: skip
+                     *[n for n, _ in _steps("cudatests", out)], "gate", "cuda_scorer_time"]  # fmt: skip
+
+
+#: every part, and the benchmark cases its steps run (``python3 -m sp_kpool.bench CASE``)
+PARTS = {"check": ["kernels"], "ranks": [], "scale": ["e2e", "e2e"], "perf": ["kernels", "e2e", "e2e"],
+         "chunks": ["budget", "budget"], "cudabench": ["cuda-scorer"], "cudawhole": ["budget"],
+         "cudancu": ["cuda-scorer"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_every_part_lists_named_steps_that_call_the_bench_entry(part, tmp_path, capsys):
+    from sp_kpool.bench import cli as bench
+    from sp_kpool.bench import e2e
+
+    steps = _steps(part, tmp_path / "ev")
+    names = [name for name, _ in steps]
+    assert names and len(set(names)) == len(names) and all(re.fullmatch(r"[A-Za-z0-9_./-]+", n) for n in names), names
+    assert not any("scripts/bench" in cmd for _, cmd in steps)  # the old scripts are gone
+    cases = []
+    for _, cmd in steps:
+        args = cmd.split()
+        if "sp_kpool.bench" not in args:
+            continue
+        case, rest = args[args.index("sp_kpool.bench") + 1], args[args.index("sp_kpool.bench") + 2 :]
+        cases.append(case)
+        assert case in bench.CASES, cmd
+        if case == "e2e":  # a CPU case: parse its options only
+            e2e.parse_args(rest)
+            continue
+        assert bench.CASES[case][1], case  # a GPU case: its options parse, then its CUDA check stops it
+        with pytest.raises(SystemExit) as exc:
+            bench.main([case, *rest])
+        assert "needs a CUDA GPU" in str(exc.value.code), (cmd, exc.value.code, capsys.readouterr().err)
+    assert cases == PARTS[part]
 
 
 def test_the_gpu_wheel_set_carries_pytest_timeout():

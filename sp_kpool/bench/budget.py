@@ -1,13 +1,13 @@
 """The whole call against the logits budget: time, peak memory, chunks, and the ratio to the
 scorer alone, in one run.
 
-    python scripts/bench_budget.py [--cases W,Wrecency,W262k,packed64] [--heads 32,64] [--topk 2048]
+    python -m sp_kpool.bench budget [--cases W,Wrecency,W262k,packed64] [--heads 32,64] [--topk 2048]
         [--budgets 2048,1024,768,512] [--arms fp8:deepgemm,bf16:triton,bf16:tilelang] [--out DIR]
 
-Cases as ``scripts/bench_fused.py`` (rank 3 of a 4-rank split, D 128, kpool 4), plus
+Cases as the ``fused`` case's (rank 3 of a 4-rank split, D 128, kpool 4), plus
 ``Wrecency``: W with every key scaled by ``1 + 3 t / S`` along the sequence (``t`` the token,
 ``S`` the length), so later pools score higher and the selector's thresholds sit elsewhere
-than on W's random scores. For each case, arm (``precision:backend``; ``backend+cuda``: its
+than on W's random scores (:func:`sp_kpool.bench.inputs.slice_problem`). For each case, arm (``precision:backend``; ``backend+cuda``: its
 chunks scored by the CUDA scorer, ``Settings.cuda_scorer``), H, topk and logits
 budget (``--budgets``, MiB per scoring chunk): the whole call (``sp_kpool.pipeline.solve``,
 the dense path) by ``triton.testing.do_bench``, its peak extra device memory
@@ -22,34 +22,19 @@ call's ratio to it. Writes ``bench_budget.json``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import os
-import time
 
 import torch
 
-from bench_fused import CASES, peak_mb, prepared
-from sp_kpool.agreement import num_pools, scoring_chunk_rows
-from sp_kpool.backends import BACKENDS
-from sp_kpool.pipeline import solve
-from sp_kpool.testing.bench_timing import do_bench_ms, log, package_versions, save
-from sp_kpool.testing.problems import rank_slice_problem
+from ..agreement import num_pools, scoring_chunk_rows
+from ..backends import BACKENDS
+from ..pipeline import solve
+from .inputs import prepared, slice_problem
+from .record import command_line, environment, log, parser, require_cuda, save
+from .timing import do_bench_ms, peak_mb
 
 ARMS = "fp8:deepgemm,bf16:triton,bf16:tilelang"
-
-
-def problem(case: str, precision: str, H: int, topk: int):
-    """The case's problem (``Wrecency``: W's, keys rising along the sequence)."""
-    total, lengths = CASES["W" if case == "Wrecency" else case]
-    p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=topk, precision=precision, lengths=lengths,
-                           device="cuda")  # fmt: skip
-    if case == "Wrecency":
-        S = p.k.shape[0]
-        ramp = 1 + 3 * torch.arange(S, device="cuda", dtype=torch.float32) / S
-        p = dataclasses.replace(p, k=(p.k.float() * ramp[:, None]).to(p.k.dtype))
-    return p
 
 
 def scorer_alone_ms(base, precision: str):
@@ -66,7 +51,7 @@ def scorer_alone_ms(base, precision: str):
                                                                         clean_logits=False))  # fmt: skip
     if BACKENDS["tilelang"].not_supported_reasons(base):
         return None, None
-    from sp_kpool.kernels.tilelang_score import tilelang_scores
+    from ..kernels.tilelang_score import tilelang_scores
 
     q, wq, keys, _, starts, ends, _ = prepared(base, "triton")
     return "tilelang", do_bench_ms(lambda: tilelang_scores(q, wq, keys, starts, ends, clean=False))
@@ -76,7 +61,7 @@ def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list
     out, first_of, alone = [], {}, {}  # alone: the scorer alone per precision (the BF16 arms share TileLang's)
     for precision, arm in arms:
         name, cuda = arm.removesuffix("+cuda"), arm.endswith("+cuda")
-        base = problem(case, precision, H, topk)
+        base = slice_problem(case, H, topk, precision=precision)
         if cuda:  # the backend with its chunks scored by the CUDA scorer (Settings.cuda_scorer)
             base = dataclasses.replace(base, settings=base.settings.replace(cuda_scorer=True))
         be = BACKENDS[name]
@@ -119,15 +104,15 @@ def one(case: str, arms: list[tuple[str, str]], H: int, topk: int, budgets: list
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    ap = parser("budget", __doc__)
     ap.add_argument("--cases", default="W,Wrecency,W262k,packed64")
     ap.add_argument("--arms", default=ARMS, help="precision:backend pairs")
     ap.add_argument("--heads", default="32,64")
     ap.add_argument("--topk", default="2048")
     ap.add_argument("--budgets", default="2048,1024,768,512", help="logits budgets in MiB, the first the reference")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
     budgets = [int(b) for b in args.budgets.split(",")]
     arms = [tuple(a.split(":")) for a in args.arms.split(",")]
     for a in arms:
@@ -136,8 +121,10 @@ def main():
             ap.error(f"--arms: expected precision:backend pairs a backend implements, the backend optionally "
                      f"+cuda ({', '.join(f'{p}:{n}' for n, b in BACKENDS.items() for p in b.precisions)}), "
                      f"got {':'.join(a)!r}")  # fmt: skip
-    doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
+    require_cuda("budget")
+    doc = {"environment": environment(command_line("budget", argv), packages=("triton", "tilelang", "deep_gemm",
+                                                                             "lmdeploy")),
+           "args": vars(args), "results": []}  # fmt: skip
     for case in args.cases.split(","):
         for topk in map(int, args.topk.split(",")):
             for H in map(int, args.heads.split(",")):
@@ -150,7 +137,4 @@ def main():
                     doc["results"].append(r)
                 save(doc, args.out, "bench_budget.json")
                 torch.cuda.empty_cache()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

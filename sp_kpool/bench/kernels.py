@@ -1,6 +1,6 @@
 """Single-GPU benchmark of the GPU backends on the reference workload (docs/measurements.md).
 
-    python scripts/bench_kernels.py [--heads 32,64] [--total 131072] [--out DIR]
+    python -m sp_kpool.bench kernels [--heads 32,64] [--total 131072] [--out DIR]
 
 Workload: the rank-3 slice of a 4-rank split of one ``--total``-token document (for 131072:
 32768 queries at positions 98304..131071 against 32768 pools), D 128, topk 2048, kpool 4.
@@ -13,7 +13,7 @@ also with the cache off, ``whole_table_cache_off``) with achieved TFLOP/s
 (with and without its -inf cleaning of the cells outside the row ranges); torch.topk,
 LMDeploy's selector and the Triton exact selector on the same logits; the torch backend
 end to end (twice, the faster counts) for the speed-up; with ``--arms fused``, the fused FP8
-path against the dense one and DeepGEMM alone (``scripts/bench_fused.py``'s measurements of
+path against the dense one and DeepGEMM alone (the ``fused`` case's measurements of
 this workload). Writes ``bench_kernels.json``.
 
 The whole call is timed three ways: synchronized before every call ("cold": the device
@@ -25,50 +25,28 @@ H 32 call was 0.3-0.5 ms below the time of calls queued back to back
 (``benchmarks/results/h200-cu130-torch2.11/README.md``), so ``do_bench`` is the
 steady-state figure.
 DeepGEMM alone is timed cold and by ``do_bench``; the JSON holds the ratios of each pair.
-The timing helpers live in :mod:`sp_kpool.testing.bench_timing`.
-
-Runs with the package installed (``pip install -e .`` from the repository root).
+The timing helpers live in :mod:`sp_kpool.bench.timing`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import time
 
 import torch
 
-from sp_kpool.backends import BACKENDS
-from sp_kpool.backends.base import fold_bf16_weights
-from sp_kpool.pipeline import RunRecord, solve
-from sp_kpool.pooling import pool_table
-from sp_kpool.selection import row_meta
-from sp_kpool.testing.bench_timing import do_bench_ms as bench_do_bench
-from sp_kpool.testing.bench_timing import host_ahead_ms as bench_host_ahead
-from sp_kpool.testing.bench_timing import launch_kwargs, log, package_versions, save
-from sp_kpool.testing.bench_timing import median_ms as bench
-from sp_kpool.testing.problems import rank_slice_problem, reference_slice_problem
-
-
-def ceilings():
-    n = 8192
-    a = torch.randn(n, n, device="cuda").bfloat16()
-    b = torch.randn(n, n, device="cuda").bfloat16()
-    ms = bench(lambda: a @ b, reps=20)
-    out = {"bf16_matmul_tflops": 2 * n**3 / ms / 1e9}
-    try:
-        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device="cuda")
-        ms8 = bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), reps=20)
-        out["fp8_matmul_tflops"] = 2 * n**3 / ms8 / 1e9
-    except Exception as exc:  # noqa: BLE001
-        out["fp8_matmul_tflops"] = f"unavailable: {exc}"
-    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    ms_copy = bench(lambda: x.clone(), reps=20)
-    out["copy_gbps"] = 2 * 2**30 / ms_copy / 1e6
-    return out
+from ..backends import BACKENDS
+from ..backends.base import fold_bf16_weights
+from ..pipeline import RunRecord, solve
+from ..pooling import pool_table
+from ..selection import row_meta
+from ..testing.problems import rank_slice_problem, reference_slice_problem
+from .record import command_line, environment, launch_kwargs, log, parser, require_cuda, save
+from .timing import ceilings
+from .timing import do_bench_ms as bench_do_bench
+from .timing import host_ahead_ms as bench_host_ahead
+from .timing import median_ms as bench
 
 
 def causal_pairs(p):
@@ -166,15 +144,15 @@ def tune(args):
 ARMS = (("bf16", "bf16", "tilelang"), ("bf16-triton", "bf16", "triton"), ("fp8", "fp8", "deepgemm"))
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = parser("kernels", __doc__)
     ap.add_argument("--heads", default="32,64")
     ap.add_argument("--total", type=int, default=131072)
     ap.add_argument("--budget", type=int, default=0, help="max_logits_bytes for the GPU backends (0: the library default)")
     ap.add_argument("--torch-baseline", action="store_true", help="also time the torch backend end to end (slow)")
     ap.add_argument("--arms", default="bf16,bf16-triton,fp8",
                     help="which of bf16 (tilelang), bf16-triton (triton), fp8 (deepgemm) and fused (the fused FP8 path "
-                         "against the dense one and DeepGEMM alone: scripts/bench_fused.py's measurements of this "
+                         "against the dense one and DeepGEMM alone: the fused case's measurements of this "
                          "workload) to run")
     ap.add_argument("--tune", default="", help="tilelang configs 'bn:stages:threads[:bq[:clean]],...' to time first")
     ap.add_argument("--select-configs", default="",
@@ -184,15 +162,16 @@ def main():
     ap.add_argument("--prompt-fraction", type=float, default=0.0,
                     help="that fraction of the document is its prompt: its pools are compressed in the extend "
                          "order (the serving compression schedule); default 0: all decode")  # fmt: skip
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
     unknown = sorted(set(args.arms.split(",")) - {a for a, _, _ in ARMS} - {"fused"})
     if unknown:
         ap.error(f"--arms: expected names from {[a for a, _, _ in ARMS] + ['fused']}, got {unknown}")
-    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    require_cuda("kernels")
+    res = {"environment": environment(command_line("kernels", argv), packages=("triton", "tilelang", "deep_gemm",
+                                                                              "lmdeploy")),
            "args": vars(args)}  # fmt: skip
-    res.update(package_versions(("triton", "tilelang", "deep_gemm", "lmdeploy")))
-    res["ceilings"] = ceil = ceilings()
+    res["ceilings"] = ceil = ceilings(torch.device("cuda"), reps=20)
     log(json.dumps(res))
     res["runs"] = []
     if args.tune:
@@ -200,8 +179,8 @@ def main():
     if "fused" in args.arms.split(","):
         # the fused FP8 path on this workload (rank 3 of 4 of one --total-token document):
         # fused, unfused and DeepGEMM alone, their ratios, candidates per row, overflow rows
-        # (the selector's counter) and peak memory, as scripts/bench_fused.py
-        from bench_fused import one as fused_one  # scripts/ is on sys.path: this file's folder
+        # (the selector's counter) and peak memory, as the fused case
+        from .fused import one as fused_one
 
         res["fused"] = []
         for H in [int(h) for h in args.heads.split(",")]:
@@ -308,7 +287,4 @@ def main():
             log(json.dumps(row))
             torch.cuda.empty_cache()
     save(res, args.out, "bench_kernels.json")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,10 +1,15 @@
-"""Reports of ``scripts/bench.py`` runs: the per-rank results summarized, ratios, one
-line per run, the fit of the balance work model, JSON, markdown and plots
-(``scripts/bench_report.py`` re-draws or merges finished runs with them).
+"""Reports of ``python -m sp_kpool.bench e2e`` runs: the per-rank results summarized,
+ratios, one line per run, the fit of the balance work model, JSON, markdown and plots;
+the case ``report`` re-draws or merges finished runs with them::
+
+    python -m sp_kpool.bench report RUN.json [RUN2.json ...] [--out BASE] [--no-plot]
+
+(several files: their results are merged, e.g. single-GPU runs of different backends; the
+environment of the first is shown).
 
 :func:`summarize`, :func:`add_ratios`, :func:`one_line`, :func:`fit_row_cost`,
-:func:`write_outputs`, :func:`markdown`, :func:`draw`; :data:`STAGES`, the stages a run
-times. The timing itself is :mod:`.bench_timing`'s.
+:func:`write_outputs`, :func:`markdown`, :func:`draw`, :func:`main`; :data:`STAGES`, the
+stages a run times. The timing itself is :mod:`.timing`'s.
 
 Nothing here is imported by ``import sp_kpool``; matplotlib is imported only by
 :func:`draw`.
@@ -17,7 +22,7 @@ import os
 
 import torch
 
-__all__ = ["STAGES", "summarize", "add_ratios", "one_line", "fit_row_cost", "write_outputs", "markdown", "draw"]
+__all__ = ["STAGES", "summarize", "add_ratios", "one_line", "fit_row_cost", "write_outputs", "markdown", "draw", "main"]
 
 
 STAGES = ("gather", "seam", "pool", "balance_exchange", "score", "select", "balance_route", "expand")
@@ -301,3 +306,22 @@ def draw(doc: dict, path: str) -> None:
     plt.close(fig)
 
 
+def main(argv=None) -> int:
+    """The case ``report``: re-draw the table and the plot of ``e2e`` result files (merged)."""
+    from .record import parser
+
+    ap = parser("report", __doc__)
+    ap.add_argument("runs", nargs="+", help="bench_*.json files of the e2e case")
+    ap.add_argument("--out", default=None, help="output base path (default: the first file without .json)")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    docs = [json.load(open(p)) for p in args.runs]
+    doc = dict(docs[0])
+    doc["results"] = [r for d in docs for r in d["results"]]
+    doc["balance_fit"] = fit_row_cost(doc["results"])
+    if len(docs) > 1:
+        doc["merged_from"] = [os.path.basename(p) for p in args.runs]
+    base = args.out or (args.runs[0][: -len(".json")] if args.runs[0].endswith(".json") else args.runs[0])
+    write_outputs(base, doc, plot=not args.no_plot)
+    print(f"wrote {base}.json, .md" + ("" if args.no_plot else ", .png"))
+    return 0

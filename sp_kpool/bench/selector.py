@@ -1,6 +1,6 @@
 """Single-GPU benchmark and check of the Triton Top-K selector (``topk_ascending``).
 
-    python scripts/bench_select.py [--rows 16384] [--pools 32768] [--k 512] [--out DIR]
+    python -m sp_kpool.bench select [--rows 16384] [--pools 32768] [--k 512] [--out DIR]
 
 Logits like one scoring chunk of the reference workload (SPEC 9): ``--rows`` query rows of
 the rank-3 slice of a 4-rank split, row ``r`` visible on ``[0, end_r)`` with ``end_r`` from
@@ -9,25 +9,18 @@ model. Times, on the same logits: ``topk_ascending`` for several launch configur
 LMDeploy's ``sparse_index_topk`` and ``torch.topk`` (value only, no exact ties rule); checks
 every configuration against the exact int64-key Top-K (``selection.topk_pools``), also on
 inputs with heavy exact ties. Writes ``bench_select.json``. The logits, the exact reference
-and the timing come from :mod:`sp_kpool.testing.bench_inputs` and
-:mod:`sp_kpool.testing.bench_timing`.
-
-Runs with the package installed (``pip install -e .`` from the repository root).
+and the timing come from :mod:`sp_kpool.bench.inputs` and :mod:`sp_kpool.bench.timing`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import time
 
 import torch
 
-from sp_kpool.kernels import triton_topk
-from sp_kpool.kernels.triton_topk import topk_ascending
-from sp_kpool.testing.bench_inputs import exact_ascending, selector_logits
-from sp_kpool.testing.bench_timing import launch_kwargs, log, median_ms, save
+from .inputs import exact_ascending, selector_logits
+from .record import command_line, environment, launch_kwargs, log, parser, require_cuda, save
+from .timing import median_ms
 
 
 def bench(fn):
@@ -53,21 +46,22 @@ def launch(cfg, sms):
             "programs": per_sm * sms if per_sm else None, **extra}  # fmt: skip
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = parser("select", __doc__)
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--pools", type=int, default=32768)
     ap.add_argument("--k", type=int, default=512)
     ap.add_argument("--configs", default="default,8:2:64,8:3:64,4:2:64,8:2:0",
                     help="comma-separated 'warps:ways:maxnreg[:tile[:per_sm]]' (0: the kernel's default) or 'default', "
                          "each optionally followed by '+name=value' keyword arguments of topk_ascending (e.g. capg)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
-    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "args": vars(args), "runs": []}  # fmt: skip
-    import triton
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    require_cuda("select")
+    from ..kernels import triton_topk
+    from ..kernels.triton_topk import topk_ascending
 
-    res["triton"] = triton.__version__
+    res = {"environment": environment(command_line("select", argv), packages=("triton", "lmdeploy")),
+           "args": vars(args), "runs": []}  # fmt: skip
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = 1000
     for levels in (0, 7, 1000):
@@ -99,7 +93,4 @@ def main():
         del s, ref
         torch.cuda.empty_cache()
     save(res, args.out, "bench_select.json")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

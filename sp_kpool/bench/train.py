@@ -1,9 +1,9 @@
 """CPU benchmark of the indexer's KL loss (``sp_kpool.indexer_kl_loss``) against one
 ``kpool_topk`` call of the torch backend, with the peak memory of each.
 
-    python scripts/bench_train.py                      # the issue's case: 16384 tokens, FP32,
+    python -m sp_kpool.bench train                     # the issue's case: 16384 tokens, FP32,
                                                        # H 32, D 128, topk 2048, Hq 16, Dqk 128
-    python scripts/bench_train.py --tokens 4096 --docs 4 --out /tmp/x
+    python -m sp_kpool.bench train --tokens 4096 --docs 4 --out /tmp/x
 
 Each measurement runs in a fresh process (spawned), so its peak resident memory
 (``ru_maxrss``) is its own: the figure reported is that peak minus the resident memory after
@@ -12,26 +12,23 @@ the inputs were built. Arms, each on the same inputs (one seed): ``select`` (one
 ``TokenMass`` teacher on those ids, forward and backward), ``dense`` (the warm-up: every
 visible pool, an ``AttentionTeacher``, forward and backward). Reported: seconds (best of
 ``--reps``), the ratios sparse/select and dense/select, and MiB. Writes ``bench_train.json``
-under ``--out`` with the command, date, machine and versions.
+under ``--out``: ``{"environment", "args", "arms"}`` (the environment block of
+:mod:`sp_kpool.bench.record`).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
 import multiprocessing
 import os
-import platform
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
 import sp_kpool
-from sp_kpool.testing.bench_timing import log, save
+
+from .record import command_line, environment, log, parser, save
 
 
 def _inputs(a):
@@ -97,7 +94,7 @@ def _run(name, a, ids_path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser("train", __doc__)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--docs", type=int, default=1)
     ap.add_argument("--heads", type=int, default=32)
@@ -113,30 +110,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args(argv)
     arms = a.arms.split(",")
-    res = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-           "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "threads": a.threads},
-           "versions": {"torch": torch.__version__, "python": platform.python_version()},
-           "args": vars(a), "arms": {}}  # fmt: skip
-    try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        res["commit"] = None
+    res = {"environment": environment(command_line("train", argv), "cpu", threads=a.threads), "args": vars(a),
+           "arms": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sp_kpool_bench_train_") as tmp:
         ids_path = os.path.join(tmp, "ids.pt")
         for name in ["select"] + [n for n in arms if n != "select"]:
-            log(f"[bench_train] {name} ...")
+            log(f"[train] {name} ...")
             r = _run(name, a, ids_path)
             res["arms"][name] = r
-            log(f"[bench_train] {name}: {r['seconds']:.2f} s, peak extra {r['peak_extra_mib']:.0f} MiB")
+            log(f"[train] {name}: {r['seconds']:.2f} s, peak extra {r['peak_extra_mib']:.0f} MiB")
     sel = res["arms"]["select"]["seconds"]
     for name in ("sparse", "dense"):
         if name in res["arms"]:
             res["arms"][name]["ratio_to_select"] = res["arms"][name]["seconds"] / sel
-            log(f"[bench_train] {name} / select = {res['arms'][name]['ratio_to_select']:.2f}")
+            log(f"[train] {name} / select = {res['arms'][name]['ratio_to_select']:.2f}")
     save(res, a.out, "bench_train.json")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,25 +15,21 @@ it without each document's last row (the SGLang shape: 16 rows computed with
 ``kpool_topk(rows=)``). Target: the second costs at most the first plus 1/4 of the call.
 
 Prints one JSON line per measurement; ``--out FILE`` also writes them with the environment
-(command, date, machine, versions, commit) as one JSON document.
+block (:mod:`sp_kpool.bench.record`) as one JSON document ``{"environment", "records"}``.
 
-Run: ``python scripts/bench_replay.py [--tokens 65536] [--device cpu|cuda] [--out bench_replay.json]``.
+Run: ``python -m sp_kpool.bench replay [--tokens 65536] [--device cpu|cuda] [--out bench_replay.json]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as _dt
 import json
 import os
-import platform
-import sys
 
 import torch
 
-import sp_kpool
-from sp_kpool import KPoolConfig, ShardedSequence, kpool_topk, replay
-from sp_kpool.testing.bench_timing import best_seconds, cpu_model, git_commit, save
+from .. import KPoolConfig, ShardedSequence, kpool_topk, replay
+from .record import command_line, environment, parser, save
+from .timing import best_seconds
 
 
 def random_capture(n: int, topk: int, kpool: int, seed: int = 0) -> torch.Tensor:
@@ -134,7 +130,7 @@ def missing_rows_case(args, dev, emit) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser("replay", __doc__)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--kpool", type=int, default=4)
@@ -157,15 +153,7 @@ def main(argv=None) -> int:
     if args.docs:
         missing_rows_case(args, dev, emit)
     if args.out:
-        env = {"command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:] if argv is None else argv),
-               "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-               "cpu": cpu_model(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-               "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "sp_kpool": sp_kpool.__version__,
-               "git_commit": git_commit(), "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}  # fmt: skip
+        env = environment(command_line("replay", argv), dev)
         save({"environment": env, "records": records}, os.path.dirname(os.path.abspath(args.out)),
              os.path.basename(args.out))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

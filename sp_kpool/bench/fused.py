@@ -1,6 +1,7 @@
 """Benchmark of the fused FP8 path against the dense path and DeepGEMM alone, in one run.
 
-    python scripts/bench_fused.py [--heads 32,64,128] [--topk 2048,8192] [--cases W,W262k,packed64] [--out DIR]
+    python -m sp_kpool.bench fused [--heads 32,64,128] [--topk 2048,8192] [--cases W,W262k,packed64] [--out DIR]
+    python -m sp_kpool.bench fused --sweep [--heads 32,64] [--caps 0:8,0:4] [--out DIR]
 
 Cases (rank 3 of a 4-rank split, D 128, kpool 4, each topk of ``--topk``, default 2048): ``W`` one
 131072-token document (the reference slice), ``W262k`` one 262144-token document,
@@ -16,43 +17,34 @@ pool scales rising along the sequence (later pools score higher). At H 128 (Deep
 API refuses it; the deepgemm backend scores with the Triton kernel's dense mode) there is no
 DeepGEMM arm: ``whole_dense_over_scorer`` compares each whole call with the scorer it uses
 (DeepGEMM at H 32 and 64, the Triton dense mode at H 128). Writes ``bench_fused.json``.
+``--sweep``: the kernel's launch shapes (:data:`SWEEP`) on W instead, ``bench_fused_sweep.json``.
+The slices and their prepared inputs: :mod:`sp_kpool.bench.inputs`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import time
 
 import torch
 
-from sp_kpool.backends import BACKENDS
-from sp_kpool.pipeline import RunRecord, solve
-from sp_kpool.settings import Settings
-from sp_kpool.testing.bench_timing import do_bench_ms, log, package_versions, save
-from sp_kpool.testing.problems import rank_slice_problem
-
-CASES = {"W": (131072, None), "W262k": (262144, None), "packed64": (131072, [2048] * 64)}
-
-
-def peak_mb(fn) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+from ..backends import BACKENDS
+from ..pipeline import RunRecord, solve
+from ..settings import Settings
+from ..testing.problems import rank_slice_problem
+from .inputs import SLICES, prepared, slice_problem
+from .record import command_line, environment, log, parser, require_cuda, save
+from .timing import do_bench_ms, peak_mb
 
 
 def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[int] | None = None) -> dict:
-    """The measurements of one case (``CASES[case]``, or ``total`` tokens in documents of
+    """The measurements of one case (``SLICES[case]``, or ``total`` tokens in documents of
     ``lengths``, one document if ``None``, under the name ``case``) at ``H`` heads."""
     import deep_gemm
 
-    from sp_kpool.kernels import triton_fp8_fused as ff
+    from ..kernels import triton_fp8_fused as ff
 
-    total, lengths = CASES[case] if total is None else (total, lengths)
+    total, lengths = SLICES[case] if total is None else (total, lengths)
     p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=topk, precision="fp8", lengths=lengths,
                            max_logits_bytes=2 * 2**30, device="cuda")  # fmt: skip
     dense_p = dataclasses.replace(p, settings=Settings(fused=False))
@@ -101,7 +93,7 @@ def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[in
         res["recency_candidates_max"] = int(em.max())
     # the Triton selector alone on DeepGEMM's logits of these rows: step 0 (rows that see at
     # most k pools select them all without ranking) on and off, the same ids
-    from sp_kpool.kernels.triton_topk import topk_ascending
+    from ..kernels.triton_topk import topk_ascending
 
     if dg:
         logits = deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends, clean_logits=False)[:, : k8.shape[0]]
@@ -125,33 +117,9 @@ def one(case: str, H: int, topk: int, total: int | None = None, lengths: list[in
     return res
 
 
-def prepared(p, backend: str = "deepgemm") -> tuple:
-    """The prepared inputs of problem ``p`` for a scorer alone, every row of its slice in one
-    call: ``(q, w, keys, scales, starts, ends, lo)`` as ``backend`` prepares them (``deepgemm``:
-    rotated FP8 queries, folded weights, FP8 pools and their scales; ``triton``: BF16 queries,
-    folded weights, BF16 pools, ``scales`` ``None``), the pools from ``lo`` on (the first
-    chunk's first pool) and the rows' ranges relative to ``lo``."""
-    from sp_kpool.backends.base import QueryInputs
-    from sp_kpool.plan import plan_chunks
-    from sp_kpool.pooling import pool_table
-
-    be, seq = BACKENDS[backend], p.seq
-    lo_row, hi_row = seq.shard_start, min(seq.shard_end, seq.num_real_tokens)
-    pts = pool_table(seq.real_cu_seq_lens, p.kpool)[0].to(p.device)
-    plan = plan_chunks(seq, p.kpool, hi_row - lo_row, lo_row, hi_row, p.device, cache=False)
-    pools = be.pools(p, pts, None)
-    _, queries = be.prepare(p, None, QueryInputs(p.q, p.head_weights, lo_row))
-    lo = plan.chunks[0].pool_lo
-    n = hi_row - lo_row
-    scales = None if pools.scales is None else pools.scales[lo:]
-    return queries.q[:n], queries.w[:n], pools.keys[lo:], scales, plan.ranges[0, :n], plan.ranges[1, :n], lo
-
-
 def w_inputs(H: int, topk: int = 2048):
     """W's prepared FP8 inputs for the kernels alone: every row of the slice in one call."""
-    p = rank_slice_problem(131072, 4, 3, heads=H, head_dim=128, topk=topk, precision="fp8", device="cuda",
-                           max_logits_bytes=2 * 2**30)  # fmt: skip
-    return prepared(p)[:6]
+    return prepared(slice_problem("W", H, topk, max_logits_bytes=2 * 2**30))[:6]
 
 
 def sweep(H: int, configs: list[dict], caps: list[tuple[int, int]], k: int = 512) -> list[dict]:
@@ -160,7 +128,7 @@ def sweep(H: int, configs: list[dict], caps: list[tuple[int, int]], k: int = 512
     the fastest exact config with each candidate capacity in ``caps``."""
     import deep_gemm
 
-    from sp_kpool.kernels import triton_fp8_fused as ff
+    from ..kernels import triton_fp8_fused as ff
 
     q8, wq, k8, ks, starts, ends = w_inputs(H)
     ref = deep_gemm.fp8_mqa_logits(q8, (k8, ks), wq, starts, ends, clean_logits=False)[:, : k8.shape[0]]
@@ -216,24 +184,26 @@ SWEEP = [dict(one_dot=True, block_q=0, block_p=64, num_warps=4, num_stages=3),
          dict(one_dot=False, block_q=4, block_p=64, num_warps=4, num_stages=3)]  # fmt: skip
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    ap = parser("fused", __doc__)
     ap.add_argument("--heads", default="32,64,128")
     ap.add_argument("--cases", default="W,packed64,W262k")
     ap.add_argument("--topk", default="2048", help="comma-separated topk values (tokens), e.g. 2048,8192")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=".")
     ap.add_argument("--sweep", action="store_true", help="time the kernel's launch shapes on W instead (bench_fused_sweep.json)")
     ap.add_argument("--caps", default="0:8,0:4,0:16,4096:8",
                     help="candidate capacity:check pairs timed with --sweep (capacity 0: the default)")
-    args = ap.parse_args()
-    doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
+    args = ap.parse_args(argv)
+    caps = [tuple(int(v) for v in c.split(":")) for c in args.caps.split(",")]
+    require_cuda("fused")
+    doc = {"environment": environment(command_line("fused", argv), packages=("triton", "tilelang", "deep_gemm",
+                                                                            "lmdeploy")),
+           "args": vars(args), "results": []}  # fmt: skip
     if args.sweep:
         for H in map(int, args.heads.split(",")):
-            caps = [tuple(int(v) for v in c.split(":")) for c in args.caps.split(",")]
             doc["results"] += sweep(H, SWEEP, caps)
             save(doc, args.out, "bench_fused_sweep.json")
-        return
+        return 0
     for case in args.cases.split(","):
         for topk in map(int, args.topk.split(",")):
             for H in map(int, args.heads.split(",")):
@@ -244,7 +214,4 @@ def main():
                 log(r)
                 doc["results"].append(r)
                 save(doc, args.out, "bench_fused.json")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

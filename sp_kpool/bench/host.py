@@ -1,6 +1,6 @@
 """Host time of one indexer call while the device is busy (does the call ever wait for it?).
 
-    python scripts/host_time.py [--backend deepgemm --precision fp8 --heads 32]
+    python -m sp_kpool.bench host [--backend deepgemm --precision fp8 --heads 32] [--out DIR]
 
 A model's forward pass queues layer after layer ahead of the device; a call that makes the
 host wait for the device (a copy from pageable memory, a ``.item()``) leaves the device idle
@@ -11,33 +11,30 @@ host the steps of the pipeline (the plan: host arithmetic and one copy; the back
 tokens, D 128, topk 2048). A step that takes about as long as the sleep waited for the
 device. The plan is timed building its tables (the sequence's table cache is cleared
 first); the whole call that follows finds them cached, as every layer after the first does.
-
-Runs with the package installed (``pip install -e .`` from the repository root).
+Prints one JSON line per round and the pinned staging buffer's cost; ``--out DIR`` also
+writes ``host.json`` with the environment block.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import torch
 
-from sp_kpool.backends import BACKENDS
-from sp_kpool.backends.base import PoolInputs, QueryInputs
-from sp_kpool.pipeline import num_pools, solve
-from sp_kpool.plan import plan_chunks
-from sp_kpool.testing.problems import reference_slice_problem
+from ..backends import BACKENDS
+from ..backends.base import PoolInputs, QueryInputs
+from ..pipeline import num_pools, solve
+from ..plan import plan_chunks
+from ..testing.problems import reference_slice_problem
+from .record import command_line, environment, log, parse_call, parser, require_cuda, save
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="deepgemm")
-    ap.add_argument("--precision", default="fp8")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--total", type=int, default=131072)
+def main(argv=None) -> int:
+    ap = parser("host", __doc__)
     ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="also write host.json here")
+    args = parse_call(ap, argv, "deepgemm", "fp8", 32)
+    require_cuda("host")
     p = reference_slice_problem(args.heads, args.precision, total=args.total, seed=args.heads)
     be = BACKENDS[args.backend]
     solve(p, args.backend)
@@ -61,14 +58,15 @@ def main():
         torch.cuda.synchronize()
         t.append(time.perf_counter())
         rows.append({s: round((t[i + 1] - t[i]) * 1e3, 3) for i, s in enumerate(steps)})
-        print(json.dumps(rows[-1]), flush=True)
+        log(rows[-1])
     # the pinned staging buffer alone
     n = plan.num_pools + 64
     t0 = time.perf_counter()
     for _ in range(20):
         torch.empty(n, dtype=torch.int64, pin_memory=True)
-    print(json.dumps({"pinned_empty_ms": round((time.perf_counter() - t0) / 20 * 1e3, 4), "elements": n}))
-
-
-if __name__ == "__main__":
-    main()
+    pinned = {"pinned_empty_ms": round((time.perf_counter() - t0) / 20 * 1e3, 4), "elements": n}
+    log(pinned)
+    if args.out:
+        save({"environment": environment(command_line("host", argv)), "args": vars(args), "rounds": rows,
+              "pinned": pinned}, args.out, "host.json")  # fmt: skip
+    return 0

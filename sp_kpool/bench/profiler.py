@@ -1,38 +1,33 @@
 """Profile one indexer call on the reference workload (torch.profiler), to see where the
 time outside the kernels goes.
 
-    python scripts/profile_run.py --backend tilelang --precision bf16 --heads 64 [--out DIR]
+    python -m sp_kpool.bench profile --backend tilelang --precision bf16 --heads 64 [--out DIR]
 
 Prints the CUDA-time and CPU-time tables of one call after two warm-up calls, the call's
 GPU timeline (when the first kernel starts after the call begins, the kernels in order, and
 every GPU gap of more than 20 us with the kernels around it), and writes a Chrome trace
 ``profile_<backend>.json`` under ``--out``.
-
-Runs with the package installed (``pip install -e .`` from the repository root).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
 import torch
 
-from sp_kpool.backends import BACKENDS
-from sp_kpool.pipeline import solve
-from sp_kpool.testing.problems import reference_slice_problem
+from ..backends import BACKENDS
+from ..pipeline import solve
+from ..testing.problems import reference_slice_problem
+from .record import parse_call, parser, require_cuda
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="tilelang")
-    ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--total", type=int, default=131072)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
+def main(argv=None) -> int:
+    ap = parser("profile", __doc__)
+    ap.add_argument("--out", default=".")
+    args = parse_call(ap, argv, "tilelang", "bf16", 64)
+    require_cuda("profile")
     p = reference_slice_problem(args.heads, args.precision, total=args.total, seed=1)
     be = BACKENDS[args.backend]
     for _ in range(2):
@@ -53,6 +48,7 @@ def main():
     path = os.path.join(args.out, f"profile_{args.backend}.json")
     prof.export_chrome_trace(path)
     timeline(path)
+    return 0
 
 
 def timeline(path, min_gap_us=20.0):
@@ -79,6 +75,3 @@ def timeline(path, min_gap_us=20.0):
             print(f"{s - t0:9.0f} {d:8.0f} {gap:7.0f}  {name[:90]}")
         prev_end = max(prev_end, s + d)
 
-
-if __name__ == "__main__":
-    main()

@@ -4,9 +4,9 @@ steps: the fused path can reach <= 1.0x DeepGEMM only if the scorer itself, with
 and with pool tiles shared by more rows, is well below DeepGEMM), and whether the BF16
 variant beats the ``triton`` backend's Triton scorer (the BF16 whole-call target).
 
-    python scripts/bench_cuda_scorer.py [--precisions fp8,bf16] [--heads 32,64] [--cases W,W262k] [--out DIR]
+    python -m sp_kpool.bench cuda-scorer [--precisions fp8,bf16] [--heads 32,64] [--cases W,W262k] [--out DIR]
 
-Cases as ``scripts/bench_fused.py`` (rank 3 of a 4-rank split, D 128, every row of the slice
+Cases as the ``fused`` case's (rank 3 of a 4-rank split, D 128, every row of the slice
 in one call, the backend's prepared inputs): ``W`` one 131072-token document, ``W262k`` one
 262144-token document. For each precision, case and H, by ``triton.testing.do_bench``: the
 reference scorer (``fp8``: DeepGEMM ``fp8_mqa_logits``, legacy columns, ``clean_logits=False``,
@@ -23,27 +23,22 @@ precision, nothing timed or written (for ``ncu``: ``gpu_evidence.sh cudancu``).
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
 
 import torch
 
-from sp_kpool.testing.bench_timing import do_bench_ms, log, package_versions, save
+from .inputs import prepared, slice_problem
+from .record import command_line, environment, log, parser, require_cuda, save
+from .timing import do_bench_ms
 
-CASES = {"W": 131072, "W262k": 262144}
+CASES = ("W", "W262k")
 
 
-def inputs(total: int, H: int, precision: str):
+def inputs(case: str, H: int, precision: str):
     """The prepared inputs of the case's slice, every row in one call, as the backend that
     scores ``precision`` prepares them (``fp8``: deepgemm, ``bf16``: triton):
     ``(q, w, keys, scales, ks, ke)`` (``scales`` ``None`` in BF16)."""
-    from bench_fused import prepared  # scripts/ is on sys.path when this script runs
-
-    from sp_kpool.testing.problems import rank_slice_problem
-
-    p = rank_slice_problem(total, 4, 3, heads=H, head_dim=128, topk=2048, precision=precision, device="cuda",
-                           max_logits_bytes=2 * 2**30)  # fmt: skip
+    p = slice_problem(case, H, precision=precision, max_logits_bytes=2 * 2**30)
     return prepared(p, "deepgemm" if precision == "fp8" else "triton")[:6]
 
 
@@ -64,12 +59,12 @@ def one(case: str, H: int, precision: str) -> dict:
     """One case: the reference scorer (``fp8``: DeepGEMM ``fp8_mqa_logits``, legacy columns,
     ``clean_logits=False``, as the deepgemm backend calls it; ``bf16``: the Triton kernel's
     dense mode, as the triton backend calls it) against the CUDA kernel."""
-    from sp_kpool.kernels import cuda_fp8_mqa as cu
-    from sp_kpool.kernels import triton_fp8_fused as ff
-    from sp_kpool.kernels.triton_topk import topk_ascending
+    from ..kernels import cuda_fp8_mqa as cu
+    from ..kernels import triton_fp8_fused as ff
+    from ..kernels.triton_topk import topk_ascending
 
     t0 = time.perf_counter()
-    q, w, k, sc, ks, ke = inputs(CASES[case], H, precision)
+    q, w, k, sc, ks, ke = inputs(case, H, precision)
     P = k.shape[0]
     res = {"case": case, "H": H, "precision": precision, "rows": q.shape[0], "pools": P,
            "visible_mean": float((ke - ks).float().mean())}  # fmt: skip
@@ -127,10 +122,10 @@ def profile_launches(case: str, H: int, precision: str) -> None:
     """One launch of each scorer on the case's inputs, nothing timed: for a profiler that
     captures them (``--profile``; ``gpu_evidence.sh cudancu`` runs it under ``ncu``). Order:
     the reference, then the CUDA kernel dense and without stores, one and two query blocks."""
-    from sp_kpool.kernels import cuda_fp8_mqa as cu
-    from sp_kpool.kernels import triton_fp8_fused as ff
+    from ..kernels import cuda_fp8_mqa as cu
+    from ..kernels import triton_fp8_fused as ff
 
-    q, w, k, sc, ks, ke = inputs(CASES[case], H, precision)
+    q, w, k, sc, ks, ke = inputs(case, H, precision)
     if precision == "fp8":
         import deep_gemm
 
@@ -145,20 +140,25 @@ def profile_launches(case: str, H: int, precision: str) -> None:
     log({"profiled": case, "H": H, "precision": precision})
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    ap = parser("cuda-scorer", __doc__)
     ap.add_argument("--heads", default="32,64")
     ap.add_argument("--cases", default="W,W262k")
     ap.add_argument("--precisions", default="fp8,bf16")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=".")
     ap.add_argument("--profile", action="store_true",
                     help="one launch of each scorer for the first case, H and precision, nothing timed (under ncu)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    bad = sorted(set(args.cases.split(",")) - set(CASES))
+    if bad:
+        ap.error(f"--cases: expected names from {list(CASES)}, got {bad}")
+    require_cuda("cuda-scorer")
     if args.profile:
         profile_launches(args.cases.split(",")[0], int(args.heads.split(",")[0]), args.precisions.split(",")[0])
-        return
-    doc = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "versions": package_versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": []}  # fmt: skip
+        return 0
+    doc = {"environment": environment(command_line("cuda-scorer", argv), packages=("triton", "tilelang", "deep_gemm",
+                                                                                  "lmdeploy")),
+           "args": vars(args), "results": []}  # fmt: skip
     for precision in args.precisions.split(","):
         for case in args.cases.split(","):
             for H in map(int, args.heads.split(",")):
@@ -169,7 +169,4 @@ def main():
                 log(r)
                 doc["results"].append(r)
                 save(doc, args.out, "bench_cuda_scorer.json")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

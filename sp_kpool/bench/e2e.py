@@ -1,11 +1,11 @@
 """End-to-end benchmark of ``kpool_topk``: every backend, precision, gather and balance option.
 
     # one process (world size 1), e.g. one GPU
-    python scripts/bench.py --backends torch --seq-lens 4096,8192
+    python -m sp_kpool.bench e2e --backends torch --seq-lens 4096,8192
     # several ranks spawned here (gloo on CPU; NCCL when there is a GPU per rank)
-    python scripts/bench.py --world-size 4 --gathers keys,pools --balances none,causal
-    # several GPUs under torchrun (NCCL, one GPU per rank)
-    torchrun --standalone --nproc_per_node 2 scripts/bench.py --backends tilelang,deepgemm ...
+    python -m sp_kpool.bench e2e --world-size 4 --gathers keys,pools --balances none,causal
+    # several GPUs under torchrun (NCCL, one GPU per rank, one host)
+    torchrun --standalone --nproc_per_node 2 -m sp_kpool.bench e2e --backends tilelang,deepgemm ...
 
 For each configuration (sequence length x layout x backend x precision x gather x balance)
 every rank runs the real operator on its rows: warm-up calls, then ``--iters`` timed calls (barrier,
@@ -16,19 +16,18 @@ and received (counted by the collectives), the rows it scored and their causal
 query-pool pairs. Every output is compared bit for bit with the first option combination
 of the same (length, backend, precision), normally ``gather=keys, balance=none``.
 
-Measured in the same run, per rank 0: the matrix-product ceiling (FP32 and BF16, FP8 on
-CUDA), the device copy bandwidth, and the all-gather bandwidth of the process group.
+Measured in the same run, per rank 0 (:func:`sp_kpool.bench.timing.ceilings`): the
+matrix-product ceiling (FP32 and BF16, FP8 on CUDA), the device copy bandwidth, and the
+all-gather bandwidth of the process group.
 Reported against them: score TFLOP/s (``2 * H * D`` per causal pair), pool / select /
 expand GB/s (model bytes, stated in the JSON), gather GB/s (instrumented bytes).
 
 Writes, under ``--out`` (default ``benchmarks/results``), ``bench_<tag>_<time>.json`` (after
 every configuration, so a crash keeps what finished), ``.md`` (a table) and ``.png`` (time
 per stage vs sequence length, one panel per backend/precision and option combination),
-with the command, date, machine and versions. The reporting (summary per configuration,
-table, plot, the fit of the balance work model) lives in :mod:`sp_kpool.testing.bench_report`;
-``scripts/bench_report.py`` re-draws or merges finished runs.
-
-Runs with the package installed (``pip install -e .`` from the repository root).
+with the environment block of :mod:`sp_kpool.bench.record`. The reporting (summary per
+configuration, table, plot, the fit of the balance work model) lives in
+:mod:`sp_kpool.bench.report`; ``python -m sp_kpool.bench report`` re-draws or merges finished runs.
 """
 
 from __future__ import annotations
@@ -37,18 +36,16 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import resource
-import socket
 import statistics
 import sys
 import time
 
 import torch
 
-from sp_kpool.testing.bench_inputs import gather_into_tensor
-from sp_kpool.testing.bench_report import add_ratios, fit_row_cost, one_line, summarize, write_outputs
-from sp_kpool.testing.bench_timing import cpu_model, git_commit
+from .record import command_line, environment, parser
+from .report import add_ratios, fit_row_cost, one_line, summarize, write_outputs
+from .timing import ceilings as measure_ceilings
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -69,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from sp_kpool.config import BALANCES, GATHERS
     from sp_kpool.precision import PRECISIONS
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("e2e", __doc__)
     ap.add_argument("--world-size", type=int, default=1, help="ranks to spawn here (ignored under torchrun)")
     ap.add_argument("--backends", type=_csv(str), default=["torch"], help="comma list of names in BACKENDS, or auto")
     ap.add_argument("--precisions", type=_csv(str), default=["bf16"], help=f"comma list of {list(PRECISIONS)}")
@@ -109,106 +106,22 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"{name}: expected a comma list of {list(allowed)}, got {values}")
     if any(s < 1 for s in args.seq_lens) or args.docs < 1 or args.iters < 1 or args.warmup < 0:
         ap.error("--seq-lens, --docs and --iters must be positive, --warmup >= 0")
-    args.command = " ".join([os.path.basename(sys.executable)] + sys.argv)
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        args.command = f"torchrun --nproc_per_node {os.environ.get('LOCAL_WORLD_SIZE', '?')} " + " ".join(sys.argv)
+    args.command = command_line("e2e", argv)
+    if _torchrun():
+        args.command = "torchrun " + args.command.removeprefix("python ")
     return args
 
 
-# ------------------------------------------------------------------------ environment
+def _torchrun() -> bool:
+    """Whether this process is one rank of a ``torchrun`` launch."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_torchelastic_launched()
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _median_seconds(fn, device, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_ceilings(device: torch.device, world_size: int) -> dict:
-    """Matmul TFLOP/s (FP32, BF16; FP8 on CUDA), copy GB/s and all-gather GB/s, measured now."""
-    cuda = device.type == "cuda"
-    out: dict = {}
-    n = 8192 if cuda else 1024
-    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a = torch.randn(n, n, device=device).to(dt)
-        b = torch.randn(n, n, device=device).to(dt)
-        s = _median_seconds(lambda: a @ b, device, reps=10 if cuda else 3)
-        out[f"{name}_matmul_tflops"] = 2 * n**3 / s / 1e12
-    if cuda:
-        try:
-            a8 = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-            b8 = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
-            one = torch.ones((), device=device)
-            s = _median_seconds(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device, reps=10)
-            out["fp8_matmul_tflops"] = 2 * n**3 / s / 1e12
-        except Exception as exc:  # noqa: BLE001 - recorded, not fatal
-            out["fp8_matmul_tflops"] = f"unavailable: {type(exc).__name__}: {exc}"
-    nbytes = (1 << 30) if cuda else (256 << 20)
-    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    s = _median_seconds(lambda: x.clone(), device, reps=10 if cuda else 3)
-    out["copy_gbps"] = 2 * nbytes / s / 1e9  # read + write
-    del x
-    if world_size > 1:
-        import torch.distributed as dist
-
-        chunk = (64 << 20) if cuda else (16 << 20)
-        src = torch.empty(chunk, dtype=torch.uint8, device=device)
-        dst = torch.empty(chunk * world_size, dtype=torch.uint8, device=device)
-
-        def gather():
-            gather_into_tensor()(dst, src)
-
-        dist.barrier()
-        s = _median_seconds(gather, device, reps=5)
-        out["all_gather_recv_gbps"] = (world_size - 1) * chunk / s / 1e9  # bytes received per rank per second
-        out["all_gather_chunk_bytes"] = chunk
-    if cuda:
-        torch.cuda.empty_cache()
-    return out
-
-
-def environment(args, world_size: int, dist_backend: str | None, device: torch.device) -> dict:
-    import sp_kpool
-
-    env = {
-        "command": args.command,
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "sp_kpool": sp_kpool.__version__,
-        "git_commit": git_commit(),
-        "world_size": world_size,
-        "dist_backend": dist_backend,
-        "device": str(device),
-        "torch_threads": torch.get_num_threads(),
-    }
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-        try:
-            env["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
-        except Exception:  # noqa: BLE001
-            env["nccl"] = "?"
-    for mod in ("triton", "tilelang", "deep_gemm"):
-        if mod in sys.modules:
-            env[mod] = getattr(sys.modules[mod], "__version__", "?")
-    return env
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -313,7 +226,10 @@ def main_rank(args, rank: int, world_size: int, device: torch.device, dist_backe
                 __import__(mod)
             except Exception:  # noqa: BLE001
                 pass
-    env = environment(args, world_size, dist_backend, device)
+    env = environment(args.command, device, world_size=world_size, dist_backend=dist_backend, device=str(device))
+    for mod in ("triton", "tilelang", "deep_gemm"):
+        if mod in sys.modules:
+            env[mod] = getattr(sys.modules[mod], "__version__", "?")
     tag = args.tag or "{}-{}-w{}".format(
         "gpu" if device.type == "cuda" else "cpu", dist_backend or "single", world_size
     )
@@ -386,19 +302,19 @@ def _spawned(rank: int, ws: int, args, dist_backend: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+    if _torchrun():  # one host (--standalone): rank r on GPU r modulo the GPUs
         from datetime import timedelta
 
         import torch.distributed as dist
 
-        ws, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            device, backend = torch.device("cuda", local), "nccl"
-        else:
-            device, backend = torch.device("cpu"), "gloo"
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+        ws, rank = dist.get_world_size(), dist.get_rank()
+        args.command = args.command.replace("torchrun ", f"torchrun --nproc_per_node {ws} ", 1)  # one host
+        device = torch.device("cpu")
+        if backend == "nccl":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
         try:
             main_rank(args, rank, ws, device, backend if ws > 1 else None)
         finally:
@@ -414,6 +330,3 @@ def main(argv=None) -> int:
     run_ranks(_spawned, args.world_size, (args, backend), backend=backend, timeout=float("inf"), pg_timeout=args.timeout)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
