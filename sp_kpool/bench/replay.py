@@ -14,6 +14,10 @@ capture does not cover. A ``kpool_topk`` call (torch backend, FP32, ``--heads``,
 it without each document's last row (the SGLang shape: 16 rows computed with
 ``kpool_topk(rows=)``). Target: the second costs at most the first plus 1/4 of the call.
 
+``--subset-tokens 32768 --every 16`` (default; ``--subset-tokens 0`` skips it): one document,
+``kpool_topk(rows=)`` on every 16th row against the full call (target: at most 1/8 of it),
+and a sampled verification step of 1/16 of the rows (shard, ``rows=``, compare).
+
 Prints one JSON line per measurement; ``--out FILE`` also writes them with the environment
 block (:mod:`sp_kpool.bench.record`) as one JSON document ``{"environment", "records"}``.
 
@@ -91,12 +95,8 @@ def missing_rows_case(args, dev, emit) -> None:
     D, L, T, K = args.docs, args.doc_tokens, args.topk, args.kpool
     cu = [i * L for i in range(D + 1)]
     config = KPoolConfig(topk=T, kpool=K)
-    g = torch.Generator().manual_seed(0)
     S, H, Dh = cu[-1], args.heads, args.head_dim
-    inputs = {"q": torch.randn(S, H, Dh, generator=g), "k": torch.randn(S, Dh, generator=g),
-              "gates": torch.randn(S, Dh, generator=g), "head_weights": torch.randn(S, H, generator=g),
-              "ape": torch.randn(K, Dh, generator=g)}  # fmt: skip
-    inputs = {k: v.to(dev) for k, v in inputs.items()}
+    inputs = _inputs(S, H, Dh, K, dev)
     seq = ShardedSequence.split(cu, 1, 0)
     ids = None
 
@@ -129,6 +129,56 @@ def missing_rows_case(args, dev, emit) -> None:
           "target_extra_vs_full_call": 0.25, "bitwise_equal_to_kpool_topk": True})  # fmt: skip
 
 
+def _inputs(S: int, H: int, Dh: int, K: int, dev) -> dict:
+    g = torch.Generator().manual_seed(0)
+    inputs = {"q": torch.randn(S, H, Dh, generator=g), "k": torch.randn(S, Dh, generator=g),
+              "gates": torch.randn(S, Dh, generator=g), "head_weights": torch.randn(S, H, generator=g),
+              "ape": torch.randn(K, Dh, generator=g)}  # fmt: skip
+    return {k: v.to(dev) for k, v in inputs.items()}
+
+
+def row_subset_case(args, dev, emit) -> None:
+    """``kpool_topk(rows=)`` on every ``--every``-th row of one ``--subset-tokens`` document
+    against the full call, and a sampled verification step (``replay.shard`` of a covered
+    capture, the sample computed with ``rows=``, ``replay.compare`` on it: what
+    ``KPoolIndexer(mode="verify", verify_rows=1/every)`` runs besides the projections)."""
+    S, T, K, H, Dh, every = args.subset_tokens, args.topk, args.kpool, args.heads, args.head_dim, args.every
+    config = KPoolConfig(topk=T, kpool=K)
+    inputs = _inputs(S, H, Dh, K, dev)
+    seq = ShardedSequence.split([0, S], 1, 0)
+    rows = torch.arange(every - 1, S, every)
+    got = {}
+
+    def full():
+        got["full"] = kpool_topk(**inputs, seq=seq, config=config)
+
+    def subset():
+        got["rows"] = kpool_topk(**inputs, seq=seq, config=config, rows=rows.to(dev))
+
+    full()
+    capture = replay.documents(got["full"], seq)
+    sample = replay.sample_rows(seq, 1.0 / every, seed=1)
+
+    def verify():
+        ids = replay.shard(capture, seq, config, inputs=inputs)
+        computed = kpool_topk(**inputs, seq=seq, config=config, rows=sample.to(dev))
+        got["report"] = replay.compare(ids, computed, seq, rows=sample)
+
+    t = alternating({"full": full, "rows": subset, "verify": verify}, args.subset_repeat, dev)
+    assert torch.equal(got["rows"][rows], got["full"][rows]), "rows= differs from the full call"
+    assert bool((got["rows"][torch.ones(S, dtype=torch.bool).index_fill_(0, rows, False)] == -1).all())
+    assert got["report"]["rows"] == sample.numel() and got["report"]["rows_differing"] == 0, got["report"]
+    base = dict(docs=1, tokens=S, topk=T, kpool=K, heads=H, head_dim=Dh, dtype="float32", device=str(dev),
+                backend="torch")  # fmt: skip
+    emit({"what": "kpool_topk (full call)", **base, "seconds": round(t["full"], 3)})
+    emit({"what": f"kpool_topk(rows=) on every {every}th row", **base, "rows_computed": rows.numel(),
+          "seconds": round(t["rows"], 4), "vs_full_call": round(t["rows"] / t["full"], 4),
+          "target_vs_full_call": 0.125, "bitwise_equal_to_kpool_topk": True})  # fmt: skip
+    emit({"what": f"verify step: replay.shard + rows= on a 1/{every} sample + compare", **base,
+          "rows_compared": sample.numel(), "seconds": round(t["verify"], 4),
+          "vs_full_call": round(t["verify"] / t["full"], 4)})  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = parser("replay", __doc__)
     ap.add_argument("--tokens", type=int, default=65536)
@@ -140,6 +190,11 @@ def main(argv=None) -> int:
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--subset-tokens", type=int, default=32768,
+                    help="one document of this many tokens for the rows= case (0: skip it)")
+    ap.add_argument("--every", type=int, default=16, help="rows= asks for every N-th row (and verifies 1/N)")
+    ap.add_argument("--subset-repeat", type=int, default=2, help="rounds of the rows= case")
+    ap.add_argument("--skip-shard", action="store_true", help="skip the shard-vs-sort cases")
     ap.add_argument("--out", default=None, help="also write the records and the environment to this JSON file")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -149,9 +204,12 @@ def main(argv=None) -> int:
         records.append(rec)
         print(json.dumps(rec), flush=True)
 
-    shard_cases(args, dev, emit)
+    if not args.skip_shard:
+        shard_cases(args, dev, emit)
     if args.docs:
         missing_rows_case(args, dev, emit)
+    if args.subset_tokens:
+        row_subset_case(args, dev, emit)
     if args.out:
         env = environment(command_line("replay", argv), dev)
         save({"environment": env, "records": records}, os.path.dirname(os.path.abspath(args.out)),
