@@ -13,7 +13,7 @@ import torch
 from . import _device
 from ._probe import probe
 from .config import UNUSED_FIRST, output_width
-from .selectors import _ascending
+from .topk_rule import _ascending
 
 __all__ = ["assemble"]
 

@@ -9,9 +9,10 @@ first pool has global id ``pool_lo``::
     K = 4, j = 6:   tokens  0 1 2 3 | 4 5 6
                     pools   [  0  ]   tail = 4 5 6
 
-This module holds the per-row metadata (:class:`RowMeta`, :func:`row_meta`). The selectors
-(deterministic Top-K and their registry) are in :mod:`sp_kpool.selectors`, expansion, tail and
-column layouts in :mod:`sp_kpool.expansion`; their public names are re-exported here.
+This module holds the per-row metadata (:class:`RowMeta`, :func:`row_meta`). The exact
+Top-K rule is in :mod:`sp_kpool.topk_rule`, the selectors and their registry in
+:mod:`sp_kpool.selectors`, expansion, tail and column layouts in :mod:`sp_kpool.expansion`;
+their public names are re-exported here.
 Everything is index arithmetic on tensors; it runs on CPU and CUDA with no per-row host
 synchronisation.
 """
@@ -26,13 +27,12 @@ import torch
 from ._device import to_device
 from .config import ORDERS, TAILS, output_width
 from .expansion import assemble
-from .selectors import (
+from .selectors import reads_row_ranges_only, select_pools
+from .topk_rule import (
     FAST_EXTRA,
     _ascending,
     _rank_by_score,
-    reads_row_ranges_only,
     score_keys,
-    select_pools,
     serving_pools,
     topk_pools,
     topk_pools_fast,

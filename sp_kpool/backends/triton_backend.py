@@ -1,7 +1,7 @@
 """``backend="triton"``: the BF16 modes on Hopper GPUs with Triton alone (no TileLang).
 
-Pools by the Triton kernels of :mod:`sp_kpool.kernels.triton_serving` (``bf16``:
-:func:`~sp_kpool.kernels.triton_serving.pools_model`, ``bf16-serving``:
+Pools by Triton kernels (``bf16``:
+:func:`~sp_kpool.kernels.triton_model_pools.pools_model`, ``bf16-serving``:
 :func:`~sp_kpool.kernels.triton_serving.pools_serving`; each bitwise equal to its torch ops
 on the GPU, :func:`bf16_pools`, which the ``tilelang`` backend shares). Queries: the BF16
 rows as given, the head weights folded once per call
@@ -38,18 +38,18 @@ __all__ = ["TritonBackend", "bf16_pools", "bf16_gpu_reasons", "score_triton"]
 
 def bf16_pools(problem: Problem, pools: PoolInputs) -> Pools:
     """The BF16 modes' pools on the GPU: ``bf16`` (the model arithmetic) by
-    :func:`~sp_kpool.kernels.triton_serving.pools_model`, ``bf16-serving`` by
+    :func:`~sp_kpool.kernels.triton_model_pools.pools_model`, ``bf16-serving`` by
     :func:`~sp_kpool.kernels.triton_serving.pools_serving` (with the pools' compression
     order, ``pools.extend``); each is bitwise equal to its torch ops, which run instead when
     Triton is missing (or, in ``bf16``, when the keys are not BF16 or the pool shape is not
-    one :func:`~sp_kpool.kernels.triton_serving.pools_model_supports`). Returns
+    one :func:`~sp_kpool.kernels.triton_model_pools.pools_model_supports`). Returns
     :class:`~sp_kpool.backends.base.Pools` with ``keys`` ``[P, D]`` bfloat16 (``P`` the pools
     of ``pools.pool_tok_start``) and ``scales`` ``None``."""
     args = (pools.k, pools.gates, problem.ape, pools.pool_tok_start)
     triton = probe("triton")[0] is not None
     if problem.precision == "bf16":  # the model definition: one order, no schedule
         if triton and pools.k.dtype == torch.bfloat16:
-            from ..kernels.triton_serving import pools_model, pools_model_supports
+            from ..kernels.triton_model_pools import pools_model, pools_model_supports
 
             if pools_model_supports(problem.kpool, problem.head_dim):
                 return Pools(pools_model(*args))

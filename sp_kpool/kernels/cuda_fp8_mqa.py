@@ -1,10 +1,11 @@
 """FP8 MQA scoring with DeepGEMM's per-logit arithmetic as a CUDA kernel of our own
-(``cuda_fp8_mqa.cu``, sm_90a): the first step of the fused design of issue #27, a
-warp-specialised scorer whose bits are DeepGEMM's ``fp8_mqa_logits`` and whose schedule is
-ours (query blocks sharing each pool tile, no stores), so that its speed can be compared
-with DeepGEMM's before a gate and candidate buffer are added to it. The same kernel on BF16
-queries and keys computes the ``triton`` backend's BF16 scores (its Triton scorer's
-arithmetic: BF16 tensor-core dots, the same head chains, no pool scale).
+(``cuda_fp8_mqa.cu``, with its PTX helpers in ``cuda_fp8_mqa_ptx.cuh``; sm_90a): the first
+step of the fused design of issue #27, a warp-specialised scorer whose bits are DeepGEMM's
+``fp8_mqa_logits`` and whose schedule is ours (query blocks sharing each pool tile, no
+stores), so that its speed can be compared with DeepGEMM's before a gate and candidate
+buffer are added to it. The same kernel on BF16 queries and keys computes the ``triton``
+backend's BF16 scores (its Triton scorer's arithmetic: BF16 tensor-core dots, the same head
+chains, no pool scale).
 
 **Status: experimental.** The ``deepgemm`` and ``triton`` backends score with it only with
 ``SP_KPOOL_CUDA_SCORER=1`` (:mod:`sp_kpool.backends.cuda_scorer`). Written without a GPU:
@@ -18,7 +19,8 @@ Build: at the first :func:`score` call of a process, with the host's ``nvcc``
 ``PATH``, else ``/usr/local/cuda/bin/nvcc``) into ``Settings.cache_path() / "cuda"``
 (``SP_KPOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/sp_kpool``, default ``~/.cache/sp_kpool``:
 :mod:`sp_kpool.settings` reads the environment, this module does not), named by a hash of
-the source, the flags and the compiler's version, so a changed source or compiler builds
+the sources (the ``.cu`` and the header it includes), the flags and the compiler's version,
+so a changed source or compiler builds
 again and a built library is reused by later processes. Loaded with :mod:`ctypes`.
 """
 
@@ -39,10 +41,13 @@ import torch
 
 from ..settings import Settings, current_settings
 
-__all__ = ["score", "nvcc", "compile_command", "build", "SOURCE", "HEADS", "MODES", "DTYPES"]
+__all__ = ["score", "nvcc", "compile_command", "build", "SOURCE", "HEADER", "HEADS", "MODES", "DTYPES"]
 
-#: The kernel's source (package data).
+#: The kernel's source (package data), the file given to nvcc.
 SOURCE = Path(__file__).with_name("cuda_fp8_mqa.cu")
+#: The header :data:`SOURCE` includes (``#include "cuda_fp8_mqa_ptx.cuh"``: nvcc finds a quoted
+#: include next to the including file, so the command needs no ``-I``); package data too.
+HEADER = Path(__file__).with_name("cuda_fp8_mqa_ptx.cuh")
 #: Index heads the kernel is compiled for.
 HEADS = (32, 64, 128)
 #: ``mode`` of :func:`score`, by the kernel's ``MODE`` template argument.
@@ -92,7 +97,8 @@ def build(compiler: str | None = None, *, debug: bool = False, settings: Setting
     if compiler is None:
         raise RuntimeError("cuda_fp8_mqa: no nvcc found (set CUDA_HOME, or put nvcc on PATH)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, debug, version)).encode()).hexdigest()[:16]
+    sources = SOURCE.read_bytes() + HEADER.read_bytes()
+    key = hashlib.sha256(sources + repr((FLAGS, debug, version)).encode()).hexdigest()[:16]
     lib = settings.cache_path() / "cuda" / f"cuda_fp8_mqa{'-debug' if debug else ''}-{key}.so"
     if lib.exists():
         return lib

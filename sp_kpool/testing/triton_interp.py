@@ -176,11 +176,24 @@ def interpreted_module(name: str):
         raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; set it before the first import of triton")
     mod = importlib.import_module(name)
     # a module first imported without the interpreter holds compiled-mode kernels and
-    # @triton.jit helpers: reload it, after the modules its helpers come from
-    # (sp_kpool.kernels.triton_topk calls those of sp_kpool.kernels.triton_topk_search)
+    # @triton.jit helpers: reload it, after the modules its kernels and helpers come from,
+    # each after those its own come from (sp_kpool.kernels.triton_topk launches the kernels
+    # of sp_kpool.kernels.triton_topk_kernels, which call those of triton_topk_search)
     compiled = [v for v in vars(mod).values() if isinstance(v, JITFunction)]
     if compiled:
-        for dep in sorted({v.fn.__module__ for v in compiled} - {name}):
+        for dep in _jit_sources(mod, JITFunction, set()):
             importlib.reload(importlib.import_module(dep))
         mod = importlib.reload(mod)
     return mod
+
+
+def _jit_sources(mod, jit_type, seen: set) -> list[str]:
+    """The modules whose ``@triton.jit`` functions ``mod`` holds (``jit_type``: compiled
+    mode), each after the modules its own come from: the order to reload them in."""
+    order = []
+    for dep in sorted({v.fn.__module__ for v in vars(mod).values() if isinstance(v, jit_type)} - {mod.__name__}):
+        if dep not in seen:
+            seen.add(dep)
+            order += _jit_sources(importlib.import_module(dep), jit_type, seen)
+            order.append(dep)
+    return order

@@ -503,6 +503,7 @@ def test_out_rows_of_a_larger_tensor():
 # --- the fused FP8 scorer + selector (sp_kpool.kernels.triton_fp8_fused) ------------------
 
 ff = interpreted_module("sp_kpool.kernels.triton_fp8_fused")
+ffk = interpreted_module("sp_kpool.kernels.triton_fp8_fused_kernels")  # its kernels and their helpers
 
 
 def fp8_case(C, H, P, seed, *, levels=0, zero_rows=(), bias=0.0):
@@ -683,7 +684,7 @@ def test_compaction_breaks_ties_by_pool_id_in_any_buffer_order():
 
     @triton.jit
     def compact(BK, BI, Res, n, k, CAP: tl.constexpr):
-        kept, t = ff._compact(BK, BI, n, k, CAP)
+        kept, t = ffk._compact(BK, BI, n, k, CAP)
         tl.store(Res, kept)
         tl.store(Res + 1, t)
 
