@@ -10,7 +10,7 @@ chains, no pool scale).
 **Status: experimental.** The ``deepgemm`` and ``triton`` backends score with it only with
 ``SP_KPOOL_CUDA_SCORER=1`` (:mod:`sp_kpool.backends.cuda_scorer`). Written without a GPU:
 ``tests/gpu/test_cuda_fp8_mqa.py`` checks it against DeepGEMM (and the Triton kernel in
-BF16) bit for bit and ``scripts/bench_cuda_scorer.py`` times it, on a Hopper GPU. On the CPU,
+BF16) bit for bit and ``python -m sp_kpool.bench cuda-scorer`` times it, on a Hopper GPU. On the CPU,
 ``tests/unit/test_cuda_fp8_mqa_ptx.py`` compiles it for sm_90a and checks its PTX and SASS
 against DeepGEMM's template compiled the same way.
 

@@ -85,7 +85,7 @@ ONE_DOT_HEADS = (32, 64, 128)
 CHECK = 8
 
 #: How a passing cell gets its candidate slot by default (:func:`score_select`'s ``slots``). The
-#: kernel alone on an H200 (2026-12-04, ``scripts/bench_fused.py``), "atomic" / "scan": W 26.7 /
+#: kernel alone on an H200 (2026-12-04, ``scripts/bench_fused.py``, now ``python -m sp_kpool.bench fused``), "atomic" / "scan": W 26.7 /
 #: 28.6 ms (H 32), 37.7 / 34.8 ms (H 64); 262144 tokens 88.7 / 94.7, 131.0 / 124.6 ms; 64 packed
 #: documents 0.85 / 0.65, 1.16 / 0.74 ms. The default stays the one the whole-call GPU tests ran.
 SLOTS = "atomic"
