@@ -6,6 +6,7 @@ indexer's training loss :func:`indexer_kl_loss` with its teachers :class:`TokenM
 Importing is silent and CPU-safe; optional GPU packages are probed lazily.
 """
 
+from . import comm  # noqa: F401 - gives ShardedSequence its collectives (from_positions, global_rows)
 from .api import kpool_topk
 from .config import KPoolConfig, RunOptions
 from .indexer import KPoolIndexer

@@ -28,14 +28,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import zlib
 from datetime import timedelta
 from typing import Sequence
 
 import torch
 
 from ._device import to_device
-from .settings import DEFAULT_COMM_LOG_INTERVAL, DEFAULT_COMM_TIMEOUT, ENV
-from .sharding import ShardedSequence
+from .settings import DEFAULT_COMM_LOG_INTERVAL, DEFAULT_COMM_TIMEOUT, ENV, current_settings
+from .sharding import ShardedSequence, register_collectives
 
 TIMEOUT_VARIABLE = ENV["comm_timeout"]
 LOG_INTERVAL_VARIABLE = ENV["comm_log_interval"]
@@ -51,7 +52,9 @@ __all__ = [
     "pack_rows",
     "unpack_rows",
     "agree_or_raise",
+    "tensor_codes",
     "gather_positions",
+    "global_rows",
     "gather_keys",
     "real_order",
     "take_rows",
@@ -533,6 +536,27 @@ def _describe_disagreement(entry, col: list[int], detail: str = "") -> str:
     return f"{entry[0]}: per rank {shown} ({which}){detail}"
 
 
+#: dtypes and device types as codes of the agreement (-1: not a tensor, -2: another one)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_DTYPE_NAMES = {-1: "not a tensor", -2: "another dtype", **{i: str(d).replace("torch.", "") for i, d in enumerate(_DTYPES)}}
+_DEVICE_TYPES = ("cpu", "cuda", "meta")
+_DEVICE_NAMES = {-1: "not a tensor", -2: "another device type", **dict(enumerate(_DEVICE_TYPES))}
+
+
+def tensor_codes(tensors: dict) -> list[tuple]:
+    """Agreement entries (:func:`sp_kpool.comm.agree_or_raise`) for the dtype and device
+    type of every tensor of ``tensors`` (``{name: tensor or anything}``): ranks that differ
+    in them would exchange buffers of other sizes (gloo aborts the process, NCCL may hang)."""
+    sig = []
+    for name, t in tensors.items():
+        is_t = isinstance(t, torch.Tensor)
+        dtype = (_DTYPES.index(t.dtype) if t.dtype in _DTYPES else -2) if is_t else -1
+        dev = (_DEVICE_TYPES.index(t.device.type) if t.device.type in _DEVICE_TYPES else -2) if is_t else -1
+        sig += [(f"{name}.dtype", dtype, _DTYPE_NAMES), (f"{name}.device type", dev, _DEVICE_NAMES)]
+    return sig
+
+
 def agree_or_raise(
     seq,
     local_error: BaseException | str | None,
@@ -631,8 +655,6 @@ def gather_positions(positions: torch.Tensor, error: str | None, *, world_size: 
     dev = _group_device(group)
     head = torch.tensor([[1 if error else 0, positions.numel()]], dtype=torch.int64, device=dev)
     heads = torch.empty((world_size, 2), dtype=torch.int64, device=dev)
-    from .settings import current_settings
-
     timeout = current_settings().comm_timeout
     wait_or_raise(_gather_into_tensor()(heads, head, group=group, async_op=True), timeout, "from_positions")
     heads = heads.cpu()
@@ -649,3 +671,31 @@ def gather_positions(positions: torch.Tensor, error: str | None, *, world_size: 
     wait_or_raise(_gather_into_tensor()(full, buf, group=group, async_op=True), timeout, "from_positions")
     full = full.cpu()
     return [full[r * width : r * width + c].clone() for r, c in enumerate(counts)]
+
+
+def global_rows(seq: ShardedSequence, rows: torch.Tensor, *, timeout: float | None = None) -> torch.Tensor:
+    """:meth:`sp_kpool.ShardedSequence.global_rows` (documented there): every rank's rows
+    back in real-token order, after an agreement on the rows' dtype, device type and
+    trailing shape (local with world size 1 and no group)."""
+    error = None
+    if not isinstance(rows, torch.Tensor):
+        error = TypeError(f"rows: expected a torch.Tensor [S_local, ...], got {type(rows).__name__}")
+    elif rows.dim() < 1 or rows.shape[0] != seq.shard_size:
+        error = ValueError(f"rows: expected shape [{seq.shard_size}, ...] (seq.shard_size of rank "
+                           f"{seq.rank}/{seq.world_size}), got {list(rows.shape)}")  # fmt: skip
+    ok = isinstance(rows, torch.Tensor) and rows.dim() >= 1
+    trailing = zlib.crc32(repr(list(rows.shape[1:])).encode()) if ok else -1
+    shape = Listed("rows.shape[1:]", list(rows.shape[1:]) if ok else None)
+    signature = tensor_codes({"rows": rows}) + [("rows.shape[1:] (crc32)", trailing, shape)]
+    if timeout is None:
+        timeout = current_settings().comm_timeout
+    if seq.world_size == 1 and seq.group is None:
+        if error is not None:
+            raise error
+    else:
+        agree_or_raise(seq, error, signature, timeout=timeout)
+    return gather_keys(rows, seq, timeout=timeout)[: seq.num_real_tokens]
+
+
+# the sequence's two collectives live here, above it: given to it at this module's import
+register_collectives(gather_positions=gather_positions, global_rows=global_rows)

@@ -2,7 +2,10 @@
 
 A frozen value object built by pure functions: no communication happens here, except in
 :meth:`ShardedSequence.from_positions`, which all-gathers every rank's positions once, and
-in :meth:`ShardedSequence.global_rows`, a collective by design.
+in :meth:`ShardedSequence.global_rows`, a collective by design. Both collectives live
+above the sequence, in :mod:`sp_kpool.comm`, which gives them to it at its import
+(:func:`register_collectives`; ``import sp_kpool`` imports it): the sequence imports
+nothing that uses it.
 One module over 500 lines because it is one concept, the sequence a user builds once per
 batch: its constructors, the stream/real-row tables of every layout and the calls that
 move a rank's rows in and out (``local_rows``, ``global_rows``) belong together.
@@ -30,13 +33,15 @@ from __future__ import annotations
 import functools
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .batch import BatchCache, TableCache
 from .checks import check_choice, check_int, check_int_list
 from .layouts import LAYOUTS, stream_layout
+from .op_arguments import sequence_arguments
+from .pooling import extend_pools
 
 __all__ = ["ShardedSequence"]
 
@@ -79,8 +84,6 @@ def _as_prompt_lens(prompt_lens: Any, cu: torch.Tensor) -> tuple[int, ...] | Non
         raise TypeError(f"prompt_lens: expected a 1-D integer tensor or a list of ints, got shape "
                         f"{list(prompt_lens.shape)}")  # fmt: skip
     values = check_int_list("prompt_lens", prompt_lens)
-    from .pooling import extend_pools
-
     extend_pools(cu, values, 1)  # checks the count and every value (one rule for both)
     return tuple(values)
 
@@ -116,6 +119,25 @@ def _check_cover(rank_positions: Sequence[torch.Tensor], total: int) -> None:
         t = int(torch.nonzero(counts == 0)[0])
         raise ValueError(f"positions: stream position {t} of [0, {total}) is owned by no rank "
                          f"({int((counts == 0).sum())} missing)")  # fmt: skip
+
+
+#: The sequence's two collectives, which live above it (:mod:`sp_kpool.comm`, which uses the
+#: sequence): ``gather_positions`` (:meth:`ShardedSequence.from_positions`) and
+#: ``global_rows`` (:meth:`ShardedSequence.global_rows`). :mod:`sp_kpool.comm` fills this at
+#: its import, and ``sp_kpool/__init__`` imports it, so a sequence a user holds has them.
+_COLLECTIVES: dict[str, Callable] = {}
+
+
+def register_collectives(*, gather_positions: Callable, global_rows: Callable) -> None:
+    """Give the sequence its collectives (:mod:`sp_kpool.comm`, at its import)."""
+    _COLLECTIVES.update(gather_positions=gather_positions, global_rows=global_rows)
+
+
+def _collective(name: str) -> Callable:
+    fn = _COLLECTIVES.get(name)
+    if fn is None:  # only while sp_kpool itself is being imported: sp_kpool/__init__ imports sp_kpool.comm
+        raise RuntimeError(f"ShardedSequence: its collective {name!r} is not registered yet (import sp_kpool.comm)")
+    return fn
 
 
 def row_runs(rows: torch.Tensor) -> tuple[tuple[int, int], ...]:
@@ -187,8 +209,7 @@ class ShardedSequence:
         if self.prompt_lens is not None:  # validated and a tuple however the object was built
             object.__setattr__(self, "prompt_lens", _as_prompt_lens(self.prompt_lens, self.real_cu_seq_lens))
         object.__setattr__(self, "batch", BatchCache())
-        from .op import sequence_arguments  # what the custom operator takes of it (sp_kpool.op)
-
+        # what the custom operator takes of it (sp_kpool.op_arguments)
         object.__setattr__(self, "op_arguments", sequence_arguments(self))
 
     # ----------------------------------------------------------------- builders
@@ -294,8 +315,7 @@ class ShardedSequence:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         if world_size == 1:
             return cls.from_rank_positions(cu_seq_lens, [positions], rank=0, group=group, prompt_lens=prompt_lens)
-        from .comm import gather_positions
-
+        gather_positions = _collective("gather_positions")  # sp_kpool.comm.gather_positions
         error, pos = None, torch.zeros(0, dtype=torch.int64)
         try:
             cu = _as_cu_seq_lens(cu_seq_lens)
@@ -487,28 +507,7 @@ class ShardedSequence:
             ``[num_real_tokens, ...]`` on ``rows.device``, in real-token order (the rows of
             a world-size-1 call on the same documents).
         """
-        from .agreement import tensor_codes
-        from .comm import Listed, agree_or_raise, gather_keys
-        from .settings import current_settings
-
-        error = None
-        if not isinstance(rows, torch.Tensor):
-            error = TypeError(f"rows: expected a torch.Tensor [S_local, ...], got {type(rows).__name__}")
-        elif rows.dim() < 1 or rows.shape[0] != self.shard_size:
-            error = ValueError(f"rows: expected shape [{self.shard_size}, ...] (seq.shard_size of rank "
-                               f"{self.rank}/{self.world_size}), got {list(rows.shape)}")  # fmt: skip
-        ok = isinstance(rows, torch.Tensor) and rows.dim() >= 1
-        trailing = zlib.crc32(repr(list(rows.shape[1:])).encode()) if ok else -1
-        shape = Listed("rows.shape[1:]", list(rows.shape[1:]) if ok else None)
-        signature = tensor_codes({"rows": rows}) + [("rows.shape[1:] (crc32)", trailing, shape)]
-        if timeout is None:
-            timeout = current_settings().comm_timeout
-        if self.world_size == 1 and self.group is None:
-            if error is not None:
-                raise error
-        else:
-            agree_or_raise(self, error, signature, timeout=timeout)
-        return gather_keys(rows, self, timeout=timeout)[: self.num_real_tokens]
+        return _collective("global_rows")(self, rows, timeout=timeout)  # sp_kpool.comm.global_rows
 
     @functools.cached_property
     def owner_of_real(self) -> torch.Tensor:

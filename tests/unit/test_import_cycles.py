@@ -23,15 +23,6 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 #: The lazy imports that point back up the layers, and why each is one (nothing else may
 #: close a cycle, even lazily).
 LAZY_BACK_EDGES = {
-    # the sequence's methods that run collectives or build the operator's arguments (a
-    # user calls them on the sequence: from_positions, global_rows); what
-    # is derived per batch lives in the per-batch object (sp_kpool.batch), not here
-    ("sharding", "agreement"): "ShardedSequence.global_rows: the agreement codes of the rows' tensors",
-    ("sharding", "comm"): "ShardedSequence: gathers of positions and keys over the group",
-    ("sharding", "op"): "ShardedSequence: the custom operator's sequence arguments",
-    # the torch.library operator registers at import and runs the pipeline when called
-    ("op", "pipeline"): "the operator's eager body is the pipeline",
-    ("op", "sharding"): "the operator rebuilds the ShardedSequence from its arguments",
     # the capture writer (below the indexer) still gives the reader's names (Capture,
     # load_capture, load_capture_set), which moved up to parity.load, on first use
     ("capture", "parity"): "sp_kpool.capture's module __getattr__: the reader's names, kept importable there",
