@@ -21,13 +21,10 @@ PACKAGE = "sp_kpool"
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 
 #: The lazy imports that point back up the layers, and why each is one (nothing else may
-#: close a cycle, even lazily).
-LAZY_BACK_EDGES = {
-    # the capture writer (below the indexer) still gives the reader's names (Capture,
-    # load_capture, load_capture_set), which moved up to parity.load, on first use
-    ("capture", "parity"): "sp_kpool.capture's module __getattr__: the reader's names, kept importable there",
-    ("capture", "parity.load"): "sp_kpool.capture's module __getattr__: the reader's names, kept importable there",
-}
+#: close a cycle, even lazily). None: where a lower module needs a service of a higher one,
+#: the higher one gives it at its import (``sharding.register_collectives``,
+#: ``capture.register_reader``; ``sp_kpool/__init__`` imports the givers).
+LAZY_BACK_EDGES: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path, root: Path) -> str:
