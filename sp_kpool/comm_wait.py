@@ -122,15 +122,19 @@ def wait_or_raise(work, timeout: float, what: str) -> None:
     try:
         work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as exc:
-        waited = time.monotonic() - t0
-        if waited >= 0.99 * timeout:
-            raise TimeoutError(
-                f"{what}: not every rank answered within {timeout:g} s ({TIMEOUT_VARIABLE}): a rank died, "
-                f"stopped answering or did not make this call"
-            ) from exc
-        # the backend's text (addresses, ports) differs between ranks: it is the cause, not the message
-        raise RuntimeError(f"{what}: the collective failed before the {timeout:g} s timeout ({TIMEOUT_VARIABLE}): a "
-                           f"rank died or closed its connection (the cause is the backend's error)") from exc  # fmt: skip
+        raise _wait_failed(time.monotonic() - t0, timeout, what) from exc
+
+
+def _wait_failed(waited: float, timeout: float, what: str) -> Exception:
+    """The error of a wait that the backend ended after ``waited`` seconds:
+    ``TimeoutError`` once the ``timeout`` is spent, else ``RuntimeError`` (it failed
+    earlier: a peer closed its connection); the backend's error is its cause."""
+    if waited >= 0.99 * timeout:
+        return TimeoutError(f"{what}: not every rank answered within {timeout:g} s ({TIMEOUT_VARIABLE}): a rank died, "
+                            f"stopped answering or did not make this call")  # fmt: skip
+    # the backend's text (addresses, ports) differs between ranks: it is the cause, not the message
+    return RuntimeError(f"{what}: the collective failed before the {timeout:g} s timeout ({TIMEOUT_VARIABLE}): a "
+                        f"rank died or closed its connection (the cause is the backend's error)")  # fmt: skip
 
 
 class _Arrivals:
@@ -209,15 +213,8 @@ def _wait_explained(work, seq, timeout: float, what: str, log_interval: float) -
                 return
             except RuntimeError as exc:
                 waited = time.monotonic() - t0
-                if waited >= 0.99 * timeout:
-                    raise TimeoutError(
-                        f"{what}: not every rank answered within {timeout:g} s ({TIMEOUT_VARIABLE}): a rank died, "
-                        f"stopped answering or did not make this call"
-                    ) from exc
-                if waited < 0.99 * until:
-                    raise RuntimeError(f"{what}: the collective failed before the {timeout:g} s timeout "
-                                       f"({TIMEOUT_VARIABLE}): a rank died or closed its connection (the cause "
-                                       f"is the backend's error)") from exc  # fmt: skip
+                if waited >= 0.99 * timeout or waited < 0.99 * until:  # the timeout spent, or failed early
+                    raise _wait_failed(waited, timeout, what) from exc
             if marks and waited >= 0.99 * marks[0]:
                 marks.pop(0)
                 arrivals.announce()
