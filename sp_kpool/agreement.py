@@ -19,7 +19,7 @@ from .backends import resolve_backend
 from .backends.base import Backend, Problem
 from .balance import CausalPartition, owned_work, sequence_partition
 from .checks import check_float_tensor
-from .comm import CommStats, Listed, agree_or_raise, take_rows
+from .comm import CommStats, Listed, agree_or_raise, take_rows, tensor_codes
 from .config import KPoolConfig, RunOptions, split_keywords
 from .layouts import LAYOUTS
 from .settings import Settings, current_settings
@@ -354,26 +354,6 @@ def call_of(problem: Problem, options: RunOptions, counter: CommStats | None = N
 
 LAYOUT_CODES = {name: i for i, name in enumerate(LAYOUTS + ("positions",))}
 LAYOUT_NAMES = {-1: "no ShardedSequence", -2: "another layout", **{i: name for name, i in LAYOUT_CODES.items()}}
-
-#: dtypes and device types as codes of the agreement (-1: not a tensor, -2: another one)
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool)
-_DTYPE_NAMES = {-1: "not a tensor", -2: "another dtype", **{i: str(d).replace("torch.", "") for i, d in enumerate(_DTYPES)}}
-_DEVICE_TYPES = ("cpu", "cuda", "meta")
-_DEVICE_NAMES = {-1: "not a tensor", -2: "another device type", **dict(enumerate(_DEVICE_TYPES))}
-
-
-def tensor_codes(tensors: dict) -> list[tuple]:
-    """Agreement entries (:func:`sp_kpool.comm.agree_or_raise`) for the dtype and device
-    type of every tensor of ``tensors`` (``{name: tensor or anything}``): ranks that differ
-    in them would exchange buffers of other sizes (gloo aborts the process, NCCL may hang)."""
-    sig = []
-    for name, t in tensors.items():
-        is_t = isinstance(t, torch.Tensor)
-        dtype = (_DTYPES.index(t.dtype) if t.dtype in _DTYPES else -2) if is_t else -1
-        dev = (_DEVICE_TYPES.index(t.device.type) if t.device.type in _DEVICE_TYPES else -2) if is_t else -1
-        sig += [(f"{name}.dtype", dtype, _DTYPE_NAMES), (f"{name}.device type", dev, _DEVICE_NAMES)]
-    return sig
 
 
 def _rows_listed(seq: ShardedSequence) -> Listed:

@@ -63,8 +63,9 @@ config later survive a replay), and the flat fields must agree with it.
 This module is the writer (imported by the indexer). Reading, rebuilding and replaying a
 capture live in :mod:`sp_kpool.parity` (:mod:`~sp_kpool.parity.load`,
 :mod:`~sp_kpool.parity.rebuild`, :mod:`~sp_kpool.parity.replay`); :class:`Capture`,
-:func:`load_capture` and :func:`load_capture_set` are importable from here too (loaded on
-first use, so the indexer does not import the parity package).
+:func:`load_capture` and :func:`load_capture_set` are importable from here too: the
+reader, above this module, gives them to it at its import (:func:`register_reader`;
+``import sp_kpool`` imports it), so this module imports nothing above it.
 
 Errors reading a capture are :class:`CaptureError` (a ``ValueError``) naming the file and
 what is wrong with it.
@@ -95,7 +96,7 @@ __all__ = [
     "enable",
     "capture_path",
     "write_capture",
-    # the reader's names, from sp_kpool.parity.load on first use (module __getattr__)
+    # the reader's names, given by sp_kpool.parity.load at its import (module __getattr__)
     "Capture",
     "load_capture",
     "load_capture_set",
@@ -120,19 +121,25 @@ _CALLER_META = (
     "topk", "kpool", "heads", "tail", "order", "alignment", "max_logits_bytes", "precision", "backend",
     "backend_resolved", "device", "autocast", "tag", "call", "source", "head_gate", "config", "options",
 )  # fmt: skip
-#: The reader's names, importable from here as before the reader moved (loaded on first use).
-_READER = ("Capture", "load_capture", "load_capture_set")
+#: The reader's names, importable from here as before the reader moved up to
+#: :mod:`sp_kpool.parity.load`, which fills this at its import (:func:`register_reader`).
+_READER: dict[str, Any] = {}
 _serial = itertools.count()
 _log = logging.getLogger(__name__)
 
 
-def __getattr__(name: str):
-    """The reader's names (``Capture``, ``load_capture``, ``load_capture_set``), from
-    :mod:`sp_kpool.parity.load` on first use; ``AttributeError`` for any other name."""
-    if name in _READER:  # lazily: the parity package sits above the indexer, which imports this module
-        from .parity import load
+def register_reader(*, Capture: type, load_capture: Callable, load_capture_set: Callable) -> None:
+    """Give this module the reader's names (:mod:`sp_kpool.parity.load`, at its import)."""
+    _READER.update(Capture=Capture, load_capture=load_capture, load_capture_set=load_capture_set)
 
-        return getattr(load, name)
+
+def __getattr__(name: str):
+    """The reader's names (``Capture``, ``load_capture``, ``load_capture_set``), as
+    :mod:`sp_kpool.parity.load` registered them (``sp_kpool/__init__`` imports it: the
+    parity package sits above the indexer, which imports this module); ``AttributeError``
+    for any other name."""
+    if name in _READER:
+        return _READER[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

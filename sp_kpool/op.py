@@ -14,8 +14,8 @@ takes its **tensors** (one table of ``cu_seq_lens``, the padding documents and t
 lengths, and, in the interleaved layouts, every rank's positions: CPU int64, shapes dynamic) and its
 **constants** (world size, rank, layout and the process group's **name**, resolved inside as
 ``torch.distributed``'s functional collectives resolve theirs). :class:`SequenceArguments`
-holds them; every ``ShardedSequence`` computes its own once, on construction
-(``seq.op_arguments``), outside any traced code. Inside, the sequence is rebuilt from these
+(:mod:`sp_kpool.op_arguments`, below the sequence) holds them; every ``ShardedSequence``
+computes its own once, on construction (``seq.op_arguments``), outside any traced code. Inside, the sequence is rebuilt from these
 values and kept in a small cache keyed by them, so every layer of one batch reuses one
 sequence object and with it its per-batch object (``seq.batch``: the tables, spans,
 partitions). The call's :class:`~sp_kpool.config.KPoolConfig` and
@@ -38,84 +38,20 @@ import dataclasses
 import functools
 import threading
 from collections import OrderedDict
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, Optional
 
 import torch
 
+from . import pipeline
 from .config import KPoolConfig, RunOptions, output_width
+from .op_arguments import SequenceArguments, _resolve_group, sequence_arguments
 from .settings import Settings, current_settings
+from .sharding import ShardedSequence
 
 __all__ = ["SequenceArguments", "sequence_arguments", "kpool_topk_traced", "OP_NAME", "is_traced"]
 
 #: The operator's qualified name: ``torch.ops.sp_kpool.kpool_topk``.
 OP_NAME = "sp_kpool::kpool_topk"
-
-
-class SequenceArguments(NamedTuple):
-    """What the custom operator takes of a ``ShardedSequence`` (computed on construction).
-
-    documents: ``[2, num_docs + 1]`` int64 CPU (``[3, ...]`` with prompt lengths): row 0 the
-        stream's ``cu_seq_lens``; row 1 ``1`` at the padding documents; row 2 the prompt
-        length of each real document (``-1`` at padding documents). One tensor of at least
-        two columns, so that its size stays symbolic (sizes 0 and 1 are specialized).
-    rank_positions: every rank's ``[S_r]`` int64 CPU stream positions (empty for the
-        contiguous layout, whose shards follow from ``cu_seq_lens`` and the world size).
-    world_size, rank: of the sequence. group_name: the process group's name (``""``: the
-        default group, or none at world size 1). layout: the layout's name.
-    """
-
-    documents: torch.Tensor
-    rank_positions: tuple
-    world_size: int
-    rank: int
-    group_name: str
-    layout: str
-
-
-def _group_name(group: Any) -> str:
-    if group is None:
-        return ""
-    name = getattr(group, "group_name", None)
-    if isinstance(name, str) and name:
-        return name
-    try:
-        from torch.distributed.distributed_c10d import _get_process_group_name
-
-        return _get_process_group_name(group)
-    except Exception:  # noqa: BLE001 - a group we cannot name: the traced path refuses it
-        return "<unnamed>"
-
-
-def sequence_arguments(seq: Any) -> SequenceArguments:
-    """The :class:`SequenceArguments` of ``seq`` (no communication)."""
-    cu = seq.cu_seq_lens
-    n_docs = cu.numel() - 1
-    rows = [cu.to(torch.int64), torch.zeros(n_docs + 1, dtype=torch.int64)]
-    rows[1][list(seq.padding_docs or ())] = 1
-    if seq.prompt_lens is not None:
-        prompts = torch.full((n_docs + 1,), -1, dtype=torch.int64)
-        real = [d for d in range(n_docs) if d not in set(seq.padding_docs or ())]
-        prompts[real] = torch.tensor(list(seq.prompt_lens), dtype=torch.int64)
-        rows.append(prompts)
-    return SequenceArguments(
-        documents=torch.stack(rows),
-        rank_positions=() if seq.layout == "contiguous" else tuple(seq.rank_positions),
-        world_size=int(seq.world_size),
-        rank=int(seq.rank),
-        group_name=_group_name(seq.group),
-        layout=seq.layout,
-    )
-
-
-def _resolve_group(name: str) -> Any:
-    if name == "":
-        return None
-    if name == "<unnamed>":
-        raise ValueError("seq.group: a process group without a name cannot cross a torch.compile graph; "
-                         "use a group created by torch.distributed (new_group, init_process_group, a DeviceMesh)")  # fmt: skip
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
 
 
 _SEQS: "OrderedDict[tuple, Any]" = OrderedDict()
@@ -126,7 +62,6 @@ _LOCK = threading.Lock()
 def _sequence(documents, rank_positions, world_size, rank, group_name, layout):
     """The ``ShardedSequence`` of these values (cached: one object, one table cache, per
     sequence; at most :data:`_SEQS_MAX`)."""
-    from .sharding import ShardedSequence
 
     def raw(t):
         return t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
@@ -219,8 +154,6 @@ def _kpool_topk_op(
     settings: str,
     rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    from . import pipeline
-
     seq = _sequence(documents, rank_positions, world_size, rank, group_name, layout)
     config = KPoolConfig(topk=topk, kpool=kpool, tail=tail, order=order, alignment=alignment, precision=precision,
                          max_logits_bytes=max_logits_bytes)  # fmt: skip

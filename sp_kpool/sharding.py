@@ -2,10 +2,16 @@
 
 A frozen value object built by pure functions: no communication happens here, except in
 :meth:`ShardedSequence.from_positions`, which all-gathers every rank's positions once, and
-in :meth:`ShardedSequence.global_rows`, a collective by design.
-One module over 500 lines because it is one concept, the sequence a user builds once per
-batch: its constructors, the stream/real-row tables of every layout and the calls that
-move a rank's rows in and out (``local_rows``, ``global_rows``) belong together.
+in :meth:`ShardedSequence.global_rows`, a collective by design. Both collectives live
+above the sequence, in :mod:`sp_kpool.comm`, which gives them to it at its import
+(:func:`register_collectives`; ``import sp_kpool`` imports it): the sequence imports
+nothing that uses it.
+
+The sequence a user builds once per batch, in three modules: this one, the data type
+(its fields, its constructors and the calls that move a rank's rows in and out,
+``local_rows`` and ``global_rows``); :mod:`sp_kpool.sharding_maps`, the stream/real-row
+tables of every layout (:class:`~sp_kpool.sharding_maps.RowMaps`, its base);
+:mod:`sp_kpool.sharding_checks`, the checks of what the constructors take.
 
 Picture (world size 3, documents of lengths 5 and 3, ``kpool`` 4, ``layout="contiguous"``)::
 
@@ -22,115 +28,47 @@ are stream positions. Rows of padding documents return all ``-1``.
 
 Inside, the operator works on the **real rows**: the real documents packed without
 padding (what a world-size-1 contiguous call on the same documents sees). Every table
-below maps between the two.
+of :mod:`sp_kpool.sharding_maps` maps between the two.
 """
 
 from __future__ import annotations
 
-import functools
-import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .batch import BatchCache, TableCache
-from .checks import check_choice, check_int, check_int_list
+from .checks import check_choice, check_int
 from .layouts import LAYOUTS, stream_layout
+from .op_arguments import sequence_arguments
+from .sharding_checks import _as_cu_seq_lens, _as_positions, _as_prompt_lens, _check_cover  # noqa: F401 - _check_cover: importable from here
+from .sharding_maps import RowMaps, row_runs  # noqa: F401 - row_runs: importable from here
 
 __all__ = ["ShardedSequence"]
 
 
-def _as_cu_seq_lens(cu_seq_lens: Any) -> torch.Tensor:
-    """Validate ``cu_seq_lens`` and return it as a CPU int64 tensor ``[num_docs + 1]``."""
-    if type(cu_seq_lens).__module__ == "numpy" and hasattr(cu_seq_lens, "dtype"):  # an array: as a tensor
-        if cu_seq_lens.dtype.kind not in "iu":
-            raise TypeError(f"cu_seq_lens: expected an integer array, got dtype {cu_seq_lens.dtype}")
-        cu_seq_lens = torch.as_tensor(cu_seq_lens.astype("int64"))
-    if isinstance(cu_seq_lens, torch.Tensor):
-        if cu_seq_lens.dtype.is_floating_point or cu_seq_lens.dtype.is_complex or cu_seq_lens.dtype == torch.bool:
-            raise TypeError(f"cu_seq_lens: expected an integer tensor, got dtype {cu_seq_lens.dtype}")
-        cu = cu_seq_lens.detach().to("cpu", torch.int64)
-    else:
-        cu = torch.tensor(check_int_list("cu_seq_lens", cu_seq_lens), dtype=torch.int64)
-    if cu.dim() != 1:
-        raise ValueError(f"cu_seq_lens: expected a 1-D tensor [num_docs + 1], got shape {tuple(cu.shape)}")
-    if cu.numel() < 2:
-        raise ValueError(f"cu_seq_lens: expected at least 2 entries [0, len], got {cu.tolist()}")
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seq_lens: expected cu_seq_lens[0] == 0, got {int(cu[0])}")
-    diffs = cu[1:] - cu[:-1]
-    if bool((diffs < 0).any()):
-        i = int(torch.nonzero(diffs < 0)[0])
-        raise ValueError(
-            f"cu_seq_lens: expected non-decreasing values, got cu_seq_lens[{i}] = {int(cu[i])} > "
-            f"cu_seq_lens[{i + 1}] = {int(cu[i + 1])}"
-        )
-    if int(cu[-1]) < 1:
-        raise ValueError(f"cu_seq_lens: expected a total length >= 1, got {int(cu[-1])}")
-    return cu
+#: The sequence's two collectives, which live above it (:mod:`sp_kpool.comm`, which uses the
+#: sequence): ``gather_positions`` (:meth:`ShardedSequence.from_positions`) and
+#: ``global_rows`` (:meth:`ShardedSequence.global_rows`). :mod:`sp_kpool.comm` fills this at
+#: its import, and ``sp_kpool/__init__`` imports it, so a sequence a user holds has them.
+_COLLECTIVES: dict[str, Callable] = {}
 
 
-def _as_prompt_lens(prompt_lens: Any, cu: torch.Tensor) -> tuple[int, ...] | None:
-    """``prompt_lens`` validated against the documents of ``cu`` (a tuple), or ``None``."""
-    if prompt_lens is None:
-        return None
-    if getattr(prompt_lens, "ndim", 1) != 1:  # a tensor or an array
-        raise TypeError(f"prompt_lens: expected a 1-D integer tensor or a list of ints, got shape "
-                        f"{list(prompt_lens.shape)}")  # fmt: skip
-    values = check_int_list("prompt_lens", prompt_lens)
-    from .pooling import extend_pools
-
-    extend_pools(cu, values, 1)  # checks the count and every value (one rule for both)
-    return tuple(values)
+def register_collectives(*, gather_positions: Callable, global_rows: Callable) -> None:
+    """Give the sequence its collectives (:mod:`sp_kpool.comm`, at its import)."""
+    _COLLECTIVES.update(gather_positions=gather_positions, global_rows=global_rows)
 
 
-def _as_positions(name: str, positions: Any, total: int) -> torch.Tensor:
-    """``positions`` as a 1-D int64 CPU tensor of values in ``[0, total)`` (a tensor, a NumPy
-    array or a list of integer-like values)."""
-    if isinstance(positions, torch.Tensor) and not (positions.dtype.is_floating_point or positions.dtype.is_complex
-                                                    or positions.dtype == torch.bool):  # fmt: skip
-        if positions.dim() != 1:
-            raise ValueError(f"{name}: expected a 1-D tensor, got shape {list(positions.shape)}")
-        pos = positions.detach().to("cpu", torch.int64)
-    else:
-        pos = torch.tensor(check_int_list(name, positions), dtype=torch.int64)
-    bad = (pos < 0) | (pos >= total)
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0])
-        raise ValueError(f"{name}: expected stream positions in [0, {total}), got {int(pos[i])} at index {i}")
-    return pos
-
-
-def _check_cover(rank_positions: Sequence[torch.Tensor], total: int) -> None:
-    """Every stream position in exactly one rank's positions (``ValueError`` naming the first
-    missing or repeated one)."""
-    counts = torch.zeros(total, dtype=torch.int64)
-    for p in rank_positions:
-        counts.index_add_(0, p, torch.ones_like(p))
-    if bool((counts > 1).any()):
-        t = int(torch.nonzero(counts > 1)[0])
-        ranks = [r for r, p in enumerate(rank_positions) if bool((p == t).any())]
-        raise ValueError(f"positions: stream position {t} is owned more than once (ranks {ranks})")
-    if bool((counts == 0).any()):
-        t = int(torch.nonzero(counts == 0)[0])
-        raise ValueError(f"positions: stream position {t} of [0, {total}) is owned by no rank "
-                         f"({int((counts == 0).sum())} missing)")  # fmt: skip
-
-
-def row_runs(rows: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """The maximal ``(lo, hi)`` runs of consecutive values of ``rows`` (ascending int64 CPU)."""
-    if rows.numel() == 0:
-        return ()
-    cut = torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1
-    starts = torch.cat([rows.new_zeros(1), cut]).tolist()
-    ends = torch.cat([cut, rows.new_tensor([rows.numel()])]).tolist()
-    r = rows.tolist()
-    return tuple((r[a], r[b - 1] + 1) for a, b in zip(starts, ends))
+def _collective(name: str) -> Callable:
+    fn = _COLLECTIVES.get(name)
+    if fn is None:  # only while sp_kpool itself is being imported: sp_kpool/__init__ imports sp_kpool.comm
+        raise RuntimeError(f"ShardedSequence: its collective {name!r} is not registered yet (import sp_kpool.comm)")
+    return fn
 
 
 @dataclass(frozen=True, eq=False)
-class ShardedSequence:
+class ShardedSequence(RowMaps):
     """A packed sequence and the rows of it that this rank owns.
 
     Attributes:
@@ -187,8 +125,7 @@ class ShardedSequence:
         if self.prompt_lens is not None:  # validated and a tuple however the object was built
             object.__setattr__(self, "prompt_lens", _as_prompt_lens(self.prompt_lens, self.real_cu_seq_lens))
         object.__setattr__(self, "batch", BatchCache())
-        from .op import sequence_arguments  # what the custom operator takes of it (sp_kpool.op)
-
+        # what the custom operator takes of it (sp_kpool.op_arguments)
         object.__setattr__(self, "op_arguments", sequence_arguments(self))
 
     # ----------------------------------------------------------------- builders
@@ -294,8 +231,7 @@ class ShardedSequence:
             raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
         if world_size == 1:
             return cls.from_rank_positions(cu_seq_lens, [positions], rank=0, group=group, prompt_lens=prompt_lens)
-        from .comm import gather_positions
-
+        gather_positions = _collective("gather_positions")  # sp_kpool.comm.gather_positions
         error, pos = None, torch.zeros(0, dtype=torch.int64)
         try:
             cu = _as_cu_seq_lens(cu_seq_lens)
@@ -355,93 +291,8 @@ class ShardedSequence:
         """``[S_local]`` int64 CPU: the stream positions of this rank's rows, storage order."""
         return self.rank_positions[self.rank]
 
-    @functools.cached_property
-    def real_cu_seq_lens(self) -> torch.Tensor:
-        """``[num_real_docs + 1]`` int64 CPU: the real documents packed without padding."""
-        if not self.padding_docs:
-            return self.cu_seq_lens
-        lens = self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]
-        keep = torch.ones(lens.numel(), dtype=torch.bool)
-        keep[list(self.padding_docs)] = False
-        return torch.cat([lens.new_zeros(1), torch.cumsum(lens[keep], 0)])
-
-    @functools.cached_property
-    def stream_shift(self) -> torch.Tensor | None:
-        """``[num_real_docs]`` int64 CPU: stream position minus real row of each real
-        document's tokens (the padding before it), or ``None`` when all are zero."""
-        if not self.padding_docs or self.padding_docs == (self.cu_seq_lens.numel() - 2,):
-            return None  # no padding, or only at the end
-        n_docs = self.cu_seq_lens.numel() - 1
-        real = [d for d in range(n_docs) if d not in set(self.padding_docs)]
-        return self.cu_seq_lens[real] - self.real_cu_seq_lens[:-1]
-
-    @functools.cached_property
-    def real_of_stream(self) -> torch.Tensor:
-        """``[S]`` int64 CPU: the real row of every stream position (``-1``: padding)."""
-        S = self.total_length
-        out = torch.full((S,), -1, dtype=torch.int64)
-        cu, rcu = self.cu_seq_lens.tolist(), self.real_cu_seq_lens.tolist()
-        pad, i = set(self.padding_docs), 0
-        for d in range(len(cu) - 1):
-            if d in pad:
-                continue
-            out[cu[d] : cu[d + 1]] = torch.arange(rcu[i], rcu[i + 1])
-            i += 1
-        return out
-
-    def stream_ids(self, real_ids: torch.Tensor) -> torch.Tensor:
-        """Stream positions of real rows ``real_ids`` (any shape, any device; ``-1`` kept)."""
-        shift = self.stream_shift
-        if shift is None:
-            return real_ids
-        dev = real_ids.device
-        rcu = self.real_cu_seq_lens[1:].to(dev)
-        ids = real_ids.to(torch.int64)
-        doc = torch.searchsorted(rcu, ids.clamp(min=0), right=True).clamp_(max=shift.numel() - 1)
-        return torch.where(ids >= 0, ids + shift.to(dev)[doc], ids).to(real_ids.dtype)
-
-    def real_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Real rows of stream positions ``ids`` (any shape, any device; ``-1`` kept): the
-        inverse of :meth:`stream_ids`. ``ValueError`` if an id is a padding position."""
-        if self.stream_shift is None:  # real rows = stream positions; the padding is at the end
-            if ids.numel() and int(ids.max()) >= self.num_real_tokens:
-                raise ValueError("ids: a stream position of a padding token")
-            return ids
-        table = self.real_of_stream.to(ids.device)
-        flat = ids.to(torch.int64)
-        out = torch.where(flat >= 0, table[flat.clamp(min=0)], flat)
-        if bool(((flat >= 0) & (out < 0)).any()):
-            raise ValueError("ids: a stream position of a padding token")
-        return out.to(ids.dtype)
-
-    @functools.cached_property
-    def _ownership(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Per rank: its real rows sorted (int64 CPU) and the storage index of each."""
-        rows, order = [], []
-        for p in self.rank_positions:
-            real = self.real_of_stream[p]
-            keep = torch.nonzero(real >= 0).flatten()
-            srt = torch.argsort(real[keep])
-            rows.append(real[keep][srt])
-            order.append(keep[srt])
-        return tuple(rows), tuple(order)
-
-    def real_rows(self, rank: int | None = None) -> torch.Tensor:
-        """Real rows owned by ``rank`` (this rank by default), ascending, int64 CPU."""
-        return self._ownership[0][self.rank if rank is None else rank]
-
-    def storage_index(self, rank: int | None = None) -> torch.Tensor:
-        """Storage index of each of :meth:`real_rows`' rows on ``rank``, int64 CPU."""
-        return self._ownership[1][self.rank if rank is None else rank]
-
     # ----------------------------------------------------------------- a rank's rows
-    @functools.cached_property
-    def padding_rows(self) -> torch.Tensor:
-        """``[S_local]`` bool CPU: which of this rank's rows (storage order) are padding.
-        The operator never reads them and returns them all ``-1``; what they hold does not
-        matter (:meth:`local_rows` fills them)."""
-        return self.real_of_stream[self.positions] < 0
-
+    # (the stream <-> real-row tables they use: RowMaps, sp_kpool.sharding_maps)
     def local_rows(self, x: torch.Tensor, fill: float | int | bool = 0) -> torch.Tensor:
         """This rank's rows of a global per-token tensor, in storage order.
 
@@ -487,68 +338,7 @@ class ShardedSequence:
             ``[num_real_tokens, ...]`` on ``rows.device``, in real-token order (the rows of
             a world-size-1 call on the same documents).
         """
-        from .agreement import tensor_codes
-        from .comm import Listed, agree_or_raise, gather_keys
-        from .settings import current_settings
-
-        error = None
-        if not isinstance(rows, torch.Tensor):
-            error = TypeError(f"rows: expected a torch.Tensor [S_local, ...], got {type(rows).__name__}")
-        elif rows.dim() < 1 or rows.shape[0] != self.shard_size:
-            error = ValueError(f"rows: expected shape [{self.shard_size}, ...] (seq.shard_size of rank "
-                               f"{self.rank}/{self.world_size}), got {list(rows.shape)}")  # fmt: skip
-        ok = isinstance(rows, torch.Tensor) and rows.dim() >= 1
-        trailing = zlib.crc32(repr(list(rows.shape[1:])).encode()) if ok else -1
-        shape = Listed("rows.shape[1:]", list(rows.shape[1:]) if ok else None)
-        signature = tensor_codes({"rows": rows}) + [("rows.shape[1:] (crc32)", trailing, shape)]
-        if timeout is None:
-            timeout = current_settings().comm_timeout
-        if self.world_size == 1 and self.group is None:
-            if error is not None:
-                raise error
-        else:
-            agree_or_raise(self, error, signature, timeout=timeout)
-        return gather_keys(rows, self, timeout=timeout)[: self.num_real_tokens]
-
-    @functools.cached_property
-    def owner_of_real(self) -> torch.Tensor:
-        """``[N]`` int64 CPU: the rank that owns each real row."""
-        out = torch.empty(self.num_real_tokens, dtype=torch.int64)
-        for r in range(self.world_size):
-            out[self.real_rows(r)] = r
-        return out
-
-    @functools.cached_property
-    def storage_of_real(self) -> torch.Tensor:
-        """``[N]`` int64 CPU: each real row's storage index on the rank that owns it."""
-        out = torch.empty(self.num_real_tokens, dtype=torch.int64)
-        for r in range(self.world_size):
-            out[self.real_rows(r)] = self.storage_index(r)
-        return out
-
-    @functools.cached_property
-    def gathered_index(self) -> torch.Tensor:
-        """``[N]`` int64 CPU: for each real row, its row in the concatenation of every rank's
-        rows in rank order (what an all-gather of the ranks' rows returns)."""
-        out = torch.empty(self.num_real_tokens, dtype=torch.int64)
-        base = 0
-        for r, p in enumerate(self.rank_positions):
-            out[self.real_rows(r)] = base + self.storage_index(r)
-            base += p.numel()
-        return out
-
-    @functools.cached_property
-    def runs(self) -> tuple[tuple[int, int], ...]:
-        """This rank's real rows as maximal ``(lo, hi)`` runs, ascending."""
-        return row_runs(self.real_rows())
-
-    @functools.cached_property
-    def layout_crc(self) -> int:
-        """CRC-32 of every rank's positions (equal on ranks that agree on the layout)."""
-        crc = 0
-        for p in self.rank_positions:
-            crc = zlib.crc32(p.numpy().tobytes(), zlib.crc32(str(p.numel()).encode(), crc))
-        return crc
+        return _collective("global_rows")(self, rows, timeout=timeout)  # sp_kpool.comm.global_rows
 
     @property
     def has_prompts(self) -> bool:

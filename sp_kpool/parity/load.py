@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..capture import FORMAT, PARAM_NAMES, CaptureError, fail, parse_crc32, read_checked, verify_crc32
+from ..capture import FORMAT, PARAM_NAMES, CaptureError, fail, parse_crc32, read_checked, register_reader, verify_crc32
 
 __all__ = ["Capture", "CaptureError", "FORMATS", "load_capture", "load_capture_set"]
 
@@ -344,3 +344,7 @@ def load_capture_set(path: str | os.PathLike, *, verify: bool = True) -> tuple[C
         if diff:
             raise fail(c.path, f"does not belong to the same call as {cap.path.name}: " + "; ".join(diff))
     return cap, caps
+
+
+# the writer (sp_kpool.capture, below) still gives the reader's names: given to it here
+register_reader(Capture=Capture, load_capture=load_capture, load_capture_set=load_capture_set)
