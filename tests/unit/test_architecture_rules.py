@@ -1,11 +1,13 @@
-"""Two house rules, checked on the source (``ast``; nothing is imported):
+"""Three house rules, checked on the source (``ast``; nothing is imported):
 
 - one settings reader: inside ``sp_kpool`` only ``sp_kpool/settings.py`` reads the process
   environment (``os.environ``, ``os.getenv``, ``os.path.expanduser``, ``Path.home``); the
   others take a :class:`~sp_kpool.settings.Settings`. The few test helpers that *set* a
   variable for the process they test are listed in :data:`ENV_WRITERS`, each with its reason;
 - scripts and examples use the installed package: no file of ``sp_kpool/``, ``scripts/`` or
-  ``examples/`` edits ``sys.path``.
+  ``examples/`` edits ``sys.path``;
+- small rooms: no package module (``.py``, ``.cu``, ``.cuh``) is over :data:`MAX_LINES` lines
+  (tests are exempt).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The most lines a package module may have.
+MAX_LINES = 500
 
 #: Files of the package that touch the environment, and why each may.
 ENV_WRITERS = {
@@ -99,3 +103,11 @@ def test_the_checks_see_what_they_forbid():
     for src in edits:
         assert sys_path_edits(src), src
     assert not sys_path_edits("import sys\nprint(sys.path)")
+
+
+def test_no_package_module_is_over_500_lines():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for ext in ("py", "cu", "cuh") for p in (ROOT / "sp_kpool").rglob(f"*.{ext}")}  # fmt: skip
+    assert len(sizes) > 50
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not over, f"split these modules along what a reader looks for (at most {MAX_LINES} lines): {over}"

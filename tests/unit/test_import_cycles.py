@@ -35,7 +35,8 @@ LAZY_BACK_EDGES: dict[tuple[str, str], str] = {}
 #: the names they import are counted where they are written.
 DYNAMIC_IMPORTS = {
     "_probe": "the optional GPU packages by name (triton, tilelang, deep_gemm, lmdeploy): none of sp_kpool",
-    "testing.bench_timing": "the optional GPU packages' versions for a benchmark record: none of sp_kpool",
+    "bench.record": "the optional GPU packages' versions for a benchmark record: none of sp_kpool",
+    "bench.e2e": "the optional GPU packages imported before the record is written (CUDA runs): none of sp_kpool",
     "testing.triton_interp": "the kernel modules under the Triton interpreter, by the names its callers write "
                              "(counted there: testing.standins names sp_kpool.kernels.*)",
 }  # fmt: skip
