@@ -20,10 +20,11 @@ __all__ = ["compare"]
 _BIG = torch.iinfo(torch.int64).max
 
 
-def _local_real(ids: torch.Tensor, seq: ShardedSequence) -> torch.Tensor:
-    """This rank's real rows of ``ids`` (storage order -> real-row order), as real-row ids int64."""
-    rows = ids.index_select(0, to_device(seq.storage_index(), ids.device)).to(torch.int64)
-    return seq.real_ids(rows)
+def _local_real(ids: torch.Tensor, seq: ShardedSequence, storage: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's real rows of ``ids`` (storage order -> real-row order), as real-row ids int64;
+    ``storage``: only these storage rows (default: every real row's, ``seq.storage_index()``)."""
+    at = seq.storage_index() if storage is None else storage
+    return seq.real_ids(ids.index_select(0, to_device(at, ids.device)).to(torch.int64))
 
 
 def _pool_of(ids: torch.Tensor, meta, cu: torch.Tensor, kpool: int, doc: torch.Tensor) -> torch.Tensor:
@@ -72,6 +73,7 @@ def compare(
     and with ``scores``: ``rows_near_ties`` and ``rows_beyond_ties``.
     """
     error = a = b = None
+    real, storage = seq.real_rows(), seq.storage_index()
     try:
         _check_seq(seq)
         for name, t in (("replayed", replayed), ("computed", computed)):
@@ -86,10 +88,13 @@ def compare(
             if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[0] != seq.shard_size:
                 got = list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
                 raise ValueError(f"scores: expected a [S_local = {seq.shard_size}, P] tensor, got {got}")
+        if rows is not None:  # the sample only (its rows in real-row order): nothing else is read
+            keep = torch.isin(storage, rows.cpu())
+            real, storage = real[keep], storage[keep]
         dev = replayed.device
         for name, t in (("replayed", replayed), ("computed", computed)):
             try:
-                mapped = _local_real(t.to(dev), seq)
+                mapped = _local_real(t.to(dev), seq, storage)
             except ValueError:
                 raise ValueError(f"{name}: an id is the stream position of a padding token") from None
             a, b = (mapped, b) if name == "replayed" else (a, mapped)
@@ -97,11 +102,7 @@ def compare(
         error = exc
     sig = [("compare: scores given", int(scores is not None))]
     _agree(seq, error, sig, settings, None)
-    subset, rows, storage = rows, seq.real_rows(), seq.storage_index()
-    if subset is not None:  # the sample only: its rows in real-row order
-        keep = torch.isin(storage, subset.cpu())
-        rows, storage = rows[keep], storage[keep]
-        a, b = a[to_device(keep, a.device)], b[to_device(keep, b.device)]
+    rows = real
     R = rows.numel()
     sa = torch.sort(torch.where(a >= 0, a, _BIG), dim=1).values
     sb = torch.sort(torch.where(b >= 0, b, _BIG), dim=1).values
