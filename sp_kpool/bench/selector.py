@@ -6,7 +6,8 @@ Logits like one scoring chunk of the reference workload (SPEC 9): ``--rows`` que
 the rank-3 slice of a 4-rank split, row ``r`` visible on ``[0, end_r)`` with ``end_r`` from
 ``3/4 * pools`` to ``pools`` (``-inf`` elsewhere), FP32 scores from a ReLU-weighted random
 model. Times, on the same logits: ``topk_ascending`` for several launch configurations,
-LMDeploy's ``sparse_index_topk`` and ``torch.topk`` (value only, no exact ties rule); checks
+LMDeploy's ``sparse_index_topk`` and ``torch.topk`` (value only, no exact ties rule), and
+with ``--selectors`` the registered selectors as the pipeline calls them (time, peak memory); checks
 every configuration against the exact int64-key Top-K (``selection.topk_pools``), also on
 inputs with heavy exact ties. Writes ``bench_select.json``. The logits, the exact reference
 and the timing come from :mod:`sp_kpool.bench.inputs` and :mod:`sp_kpool.bench.timing`.
@@ -46,6 +47,32 @@ def launch(cfg, sms):
             "programs": per_sm * sms if per_sm else None, **extra}  # fmt: skip
 
 
+def registered(s, starts, ends, k, base, ref, names) -> dict:
+    """Each registered dense selector of ``names`` (:data:`sp_kpool.selectors.SELECTORS`) called
+    as the pipeline calls it (ascending order, the rows' ranges) on the logits ``s``: median ms,
+    peak extra device memory (MiB over the inputs) and whether its ids equal the exact ones."""
+    from ..selectors import SELECTORS
+
+    out = {}
+    for name in names:
+        sel = SELECTORS[name]
+        f = lambda: sel.select(s, None, k, base, starts, ends, "ascending")  # noqa: E731
+        try:
+            got = f()
+        except Exception as exc:  # noqa: BLE001  (a selector this host cannot run: say why)
+            out[name] = f"unavailable: {type(exc).__name__}: {exc}"
+            continue
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        f()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        out[name] = {"ms": bench(f), "peak_extra_mib": round(peak, 1), "equal_exact": bool(torch.equal(got, ref))}
+        log(f"selector {name}: {out[name]}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = parser("select", __doc__)
     ap.add_argument("--rows", type=int, default=16384)
@@ -54,6 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="default,8:2:64,8:3:64,4:2:64,8:2:0",
                     help="comma-separated 'warps:ways:maxnreg[:tile[:per_sm]]' (0: the kernel's default) or 'default', "
                          "each optionally followed by '+name=value' keyword arguments of topk_ascending (e.g. capg)")
+    ap.add_argument("--selectors", default="",
+                    help="comma-separated registered selectors to time as the pipeline calls them (e.g. "
+                         "int64-keys,fp32-candidates,radix,triton): median ms, peak extra memory, ids exact")
     ap.add_argument("--out", default=".")
     args = ap.parse_args(argv)
     require_cuda("select")
@@ -79,6 +109,8 @@ def main(argv=None) -> int:
             row["configs"][cfg] = {"ms": ms, "equal_exact": ok, "gb_per_s": s.numel() * 4 / ms / 1e6,
                                    "launch": dict(triton_topk.last_launch)}  # fmt: skip
             log(f"levels={levels} cfg={cfg} {ms:.3f} ms equal={ok} launch={triton_topk.last_launch}")
+        if args.selectors:
+            row["selectors"] = registered(s, starts, ends, args.k, base, ref, args.selectors.split(","))
         if levels == 0:
             row["torch_topk_ms"] = bench(lambda: torch.topk(s, args.k, dim=-1))
             try:
