@@ -11,9 +11,12 @@ Two kinds are registered:
 
 * **dense** selectors rank a chunk's scores ``[R, N]`` that a backend wrote
   (:func:`select_pools`): ``triton`` (CUDA, exact, no host synchronisation), ``radix``
-  (LMDeploy's ``sparse_index_topk`` plus an exactness check), ``fp32-candidates`` (an FP32
-  ``torch.topk`` plus a tie check), ``int64-keys`` (the reference, any device) and
-  ``serving`` (``order="serving"``: LMDeploy's set in its order);
+  (LMDeploy's ``sparse_index_topk`` plus an exactness check: CUDA without Triton, where it is
+  3x faster than ``int64-keys`` on smooth scores and 1.5x slower on heavy ties, H200 record
+  ``selectors_registered_465ead6.json``), ``int64-keys`` (the reference, any device) and
+  ``serving`` (``order="serving"``: LMDeploy's set in its order). An FP32-candidates
+  selector (``torch.topk`` of ``k + 8`` plus a tie check) was removed: 39.6 ms and 15.5 GB
+  against ``int64-keys``' 31.0 ms and 13.3 GB on that record;
 * **fused** selectors score and select a chunk in one step, for one backend and precision
   (:class:`FusedSelector`; :func:`choose_fused`): the pipeline uses one when it supports the
   call and otherwise scores, then selects (:func:`sp_kpool.scoring.select_chunks`). A fused
@@ -304,20 +307,6 @@ class _Int64Keys(Selector):
         return _ascending(pools) if order == "ascending" else pools
 
 
-class _Fp32Candidates(Selector):
-    name = "fp32-candidates"
-    priority = 10
-    summary = "FP32 torch.topk of k + 8 candidates, ranked by int64 keys; exact-tie rows redone (CUDA)"
-
-    def not_supported_reasons(self, req):
-        why = [] if req.device.type == "cuda" else [f"needs CUDA, got {req.device}"]
-        return why + (["order 'serving' needs the serving selector"] if req.order == "serving" else [])
-
-    def select(self, scores, visible, k, col0, starts, ends, order, out=None, short_rows=True):
-        pools = topk_pools_fast(_mask(scores, visible), k, col0)[0]
-        return _ascending(pools) if order == "ascending" else pools
-
-
 class _Radix(Selector):
     name = "radix"
     priority = 20
@@ -383,7 +372,7 @@ class _Serving(Selector):
         return serving_pools(scores, ends, k, col0, _radix_selector(k))
 
 
-for _s in (_Int64Keys(), _Fp32Candidates(), _Radix(), _Triton(), _Serving()):
+for _s in (_Int64Keys(), _Radix(), _Triton(), _Serving()):
     register(_s)
 
 

@@ -30,14 +30,14 @@ def test_serving_order_has_only_the_serving_selector():
 
 def test_cuda_requests_in_priority_order(monkeypatch):
     # the CUDA dispatch as before the registry: Triton when it supports the shape, then
-    # LMDeploy's radix selector (k 512/2048 and ranges), then the FP32 candidates
+    # LMDeploy's radix selector (k 512/2048 and ranges), then the int64 keys
     monkeypatch.setattr(selectors, "_triton_select", lambda k, width: (lambda *a: None) if k <= 2048 else None)
     monkeypatch.setattr(selectors, "_radix_selector", lambda k: (lambda *a: None) if k in (512, 2048) else None)
     assert choose(SelectRequest(512, 4096, "ascending", CUDA)).name == "triton"
-    assert choose(SelectRequest(4096, 8192, "score", CUDA)).name == "fp32-candidates"
+    assert choose(SelectRequest(4096, 8192, "score", CUDA)).name == "int64-keys"
     monkeypatch.setattr(selectors, "_triton_select", lambda k, width: None)
     assert choose(SelectRequest(512, 4096, "ascending", CUDA)).name == "radix"
-    assert choose(SelectRequest(512, 4096, "ascending", CUDA, ranges=False)).name == "fp32-candidates"
+    assert choose(SelectRequest(512, 4096, "ascending", CUDA, ranges=False)).name == "int64-keys"
     assert choose(SelectRequest(512, 4096, "serving", CUDA)).name == "serving"
     assert not selectors.reads_row_ranges_only(512, 4096, "ascending")
     monkeypatch.setattr(selectors, "_triton_select", lambda k, width: (lambda *a: None))
@@ -48,7 +48,7 @@ def test_cuda_requests_in_priority_order(monkeypatch):
 def test_describe_lists_every_selector_with_reasons():
     rows = selectors.describe(torch.device("cpu"))
     names = [r[0] for r in rows]
-    assert {"triton", "radix", "fp32-candidates", "int64-keys", "serving"} <= set(names)
+    assert {"triton", "radix", "int64-keys", "serving"} <= set(names) and "fp32-candidates" not in names
     by = {r[0]: r for r in rows}
     assert by["int64-keys"][3] == [] and by["triton"][3] == ["needs CUDA, got cpu"]
 
