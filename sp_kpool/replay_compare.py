@@ -72,10 +72,10 @@ def compare(
     "rank", "only_replayed", "only_computed"}`` with up to 8 ids of each, stream positions),
     and with ``scores``: ``rows_near_ties`` and ``rows_beyond_ties``.
     """
-    error = a = b = None
-    real, storage = seq.real_rows(), seq.storage_index()
+    error = a = b = real = None
     try:
         _check_seq(seq)
+        real, storage = seq.real_rows(), seq.storage_index()
         for name, t in (("replayed", replayed), ("computed", computed)):
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != seq.shard_size:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
