@@ -40,28 +40,19 @@ def test_example_self_check_can_fail(script, name):
     assert f"{name} world_size=2 device=cpu: FAIL" in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("script, name, world_size", [
-    ("xtuner_sp.py", "xtuner_sp --replay", 4), ("megatron_cp.py", "megatron_cp --replay", 2),
+@pytest.mark.parametrize("script, flag, world_size", [
+    ("xtuner_sp.py", "--replay", 4), ("megatron_cp.py", "--replay", 2),
+    ("xtuner_sp.py", "--train", 3), ("megatron_cp.py", "--train", 2),
 ])  # fmt: skip
-def test_example_replay_variant_passes_and_can_fail(script, name, world_size):
-    out = _run(script, "--world-size", str(world_size), "--replay")
+def test_example_variant_passes_and_can_fail(script, flag, world_size):
+    """``--replay``: a rollout-shaped capture replayed bit for bit; ``--train``: the indexer's
+    KL loss on the framework's layout, gradients equal world size 1's. Each fails with
+    ``--inject-fault``."""
+    name = f"{script.removesuffix('.py')} {flag}"
+    out = _run(script, "--world-size", str(world_size), flag)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"{name} world_size={world_size} device=cpu: PASS" in out.stdout, out.stdout
     assert "FAIL" not in out.stdout, out.stdout
-    out = _run(script, "--world-size", "2", "--replay", "--inject-fault")
-    assert out.returncode == 1, out.stdout + out.stderr
-    assert f"{name} world_size=2 device=cpu: FAIL" in out.stdout, out.stdout
-
-
-@pytest.mark.parametrize("script, name, world_size", [
-    ("xtuner_sp.py", "xtuner_sp --train", 3), ("megatron_cp.py", "megatron_cp --train", 2),
-])  # fmt: skip
-def test_example_training_step_passes_and_can_fail(script, name, world_size):
-    """The indexer's KL loss on the framework's layout: gradients equal world size 1's."""
-    out = _run(script, "--world-size", str(world_size), "--train")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"{name} world_size={world_size} device=cpu: PASS" in out.stdout, out.stdout
-    assert "FAIL" not in out.stdout, out.stdout
-    out = _run(script, "--world-size", "2", "--train", "--inject-fault")
+    out = _run(script, "--world-size", "2", flag, "--inject-fault")
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"{name} world_size=2 device=cpu: FAIL" in out.stdout, out.stdout
