@@ -268,10 +268,8 @@ class ChunkPlan:
         which = to_device(torch.repeat_interleave(torch.arange(len(self.chunks)), sizes), device)
         at = which * self.rows + torch.arange(self.hi_row, device=device) - self.bounds.new_tensor(
             [c.first for c in self.chunks])[which]  # fmt: skip
-        clo, chi = self.bounds[which, 0], self.bounds[which, 1]
-        r_start = (meta.pool_lo - clo).clamp_(min=0)
-        ranges[0, at] = r_start.to(torch.int32)
-        ranges[1, at] = torch.maximum(r_start, torch.minimum(meta.pool_hi, chi) - clo).to(torch.int32)
+        start, end = _relative_ranges(meta, self.bounds[which])
+        ranges[0, at], ranges[1, at] = start.to(torch.int32), end.to(torch.int32)
         return ranges
 
 
@@ -382,11 +380,15 @@ def row_ranges_torch(cu, offs, bounds, lo_row: int, hi_row: int, first: int, C: 
     its one-launch CUDA twin)."""
     device = bounds.device
     meta = row_meta(torch.arange(lo_row, hi_row, device=device), cu, offs, kpool)
-    which = (meta.rows - first) // C
-    clo, chi = bounds[which, 0], bounds[which, 1]
-    r_start = (meta.pool_lo - clo).clamp_(min=0)
-    r_end = torch.minimum(meta.pool_hi, chi) - clo
+    start, end = _relative_ranges(meta, bounds[(meta.rows - first) // C])
     ranges = torch.zeros((2, bounds.shape[0] * C), dtype=torch.int32, device=device)
-    ranges[0, lo_row - first : hi_row - first] = r_start
-    ranges[1, lo_row - first : hi_row - first] = torch.maximum(r_start, r_end)
+    ranges[0, lo_row - first : hi_row - first] = start
+    ranges[1, lo_row - first : hi_row - first] = end
     return ranges
+
+
+def _relative_ranges(meta: RowMeta, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's visible pools ``[start, end)`` relative to the pool range ``bounds [n, 2]``
+    of its chunk (empty where it sees none of them)."""
+    start = (meta.pool_lo - bounds[:, 0]).clamp_(min=0)
+    return start, torch.maximum(start, torch.minimum(meta.pool_hi, bounds[:, 1]) - bounds[:, 0])
